@@ -1,0 +1,273 @@
+"""The calibration artifact: a folder with ``rotations.safetensors`` and ``oscar.json``.
+
+``rotations.safetensors`` holds, per layer ``L`` (and per KV head where ``granularity == "head"``):
+
+======== ===================== ===========================================================
+name     shape                 meaning
+======== ===================== ===========================================================
+r_k      [L, d, d] | [L,H,d,d] key rotation (rows rotate as ``k @ r_k``), float32
+r_v      same                  value rotation
+eig_k    [L, d] | [L, H, d]    eigenvalues of the key target, descending (zeros if none)
+eig_v    same                  eigenvalues of the value target
+mu_k     [L, H, d]             mean post-RoPE key per KV head (unrotated basis), for centering
+mu_v     [L, H, d]             mean value per KV head
+k_clip   [L]                   clip ratio per layer for keys (0 = no clipping)
+v_clip   [L]                   clip ratio per layer for values
+======== ===================== ===========================================================
+
+``oscar.json`` holds the format version, the :class:`~oscarkv.config.QuantSpec`, the model identity and
+the calibration provenance. :meth:`Calibration.load` checks everything against a model and refuses a
+mismatch with a message that names each difference.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from .config import QuantSpec
+from .rotation import check_orthogonal
+
+FORMAT_VERSION = 1
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
+TENSOR_NAMES = ("r_k", "r_v", "eig_k", "eig_v", "mu_k", "mu_v", "k_clip", "v_clip")
+
+
+class ArtifactError(ValueError):
+    """A calibration artifact is malformed or does not match the model it is used with."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one the library supports."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a calibration must agree with: architecture and attention geometry (plus a free-form name)."""
+
+    architecture: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config: Any, name: str = "") -> "ModelIdentity":
+        """Read the identity of a transformers config (or a config with a ``text_config``)."""
+        cfg = getattr(config, "text_config", None) or config
+        arch = getattr(cfg, "model_type", None)
+        if arch == "gemma3":
+            arch = "gemma3_text"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model type {arch!r} is not supported; oscarkv supports {list(SUPPORTED_ARCHITECTURES)} "
+                "(full-attention decoder models of the Llama, Qwen2, Qwen3 and Gemma3 families)"
+            )
+        n_q = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+        return cls(
+            architecture=arch,
+            num_layers=cfg.num_hidden_layers,
+            num_q_heads=n_q,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_q,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            name=name or getattr(cfg, "_name_or_path", "") or "",
+        )
+
+    def differences(self, other: "ModelIdentity") -> list[str]:
+        """Human-readable list of fields that differ (the free-form name is not compared)."""
+        out = []
+        for key in ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size"):
+            a, b = getattr(self, key), getattr(other, key)
+            if a != b:
+                out.append(f"{key}: calibration has {a!r}, model has {b!r}")
+        return out
+
+
+@dataclass
+class Calibration:
+    """Per-layer rotations, means and clip ratios for one model, plus the spec and provenance."""
+
+    spec: QuantSpec
+    model: ModelIdentity
+    r_k: Tensor
+    r_v: Tensor
+    eig_k: Tensor
+    eig_v: Tensor
+    mu_k: Tensor
+    mu_v: Tensor
+    k_clip: Tensor
+    v_clip: Tensor
+    provenance: dict = field(default_factory=dict)
+    # Per-layer format choices (rotation kind, key grouping, bits) where calibration selected them; else None.
+    layer_formats: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate_shapes()
+
+    # ------------------------------------------------------------------------------------------ shapes
+    @property
+    def per_head(self) -> bool:
+        return self.r_k.ndim == 4
+
+    def validate_shapes(self) -> None:
+        m = self.model
+        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        rot = (L, H, d, d) if self.spec.granularity == "head" else (L, d, d)
+        eig = rot[:-1]
+        expected = {
+            "r_k": rot, "r_v": rot, "eig_k": eig, "eig_v": eig, "mu_k": (L, H, d), "mu_v": (L, H, d),
+            "k_clip": (L,), "v_clip": (L,),
+        }
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if not isinstance(t, Tensor):
+                raise ArtifactError(f"{name} must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ArtifactError(f"{name} has shape {tuple(t.shape)}, expected {shape} for {m}")
+            if not torch.isfinite(t).all():
+                raise ArtifactError(f"{name} contains NaN or Inf")
+        if self.layer_formats is not None and len(self.layer_formats) != L:
+            raise ArtifactError(f"layer_formats has {len(self.layer_formats)} entries for {L} layers")
+
+    def check_orthogonal(self, atol: float = 1e-4) -> None:
+        check_orthogonal(self.r_k, atol, "r_k")
+        check_orthogonal(self.r_v, atol, "r_v")
+
+    # ------------------------------------------------------------------------------------------ access
+    def layer(self, i: int) -> dict[str, Tensor]:
+        """Tensors of layer ``i``; rotations always come back as ``[Hkv, d, d]`` (broadcast where per layer)."""
+        H = self.model.num_kv_heads
+        out = {}
+        for name in ("r_k", "r_v"):
+            r = getattr(self, name)[i]
+            out[name] = r if r.ndim == 3 else r.unsqueeze(0).expand(H, -1, -1)
+        out["mu_k"], out["mu_v"] = self.mu_k[i], self.mu_v[i]
+        out["k_clip"], out["v_clip"] = float(self.k_clip[i]), float(self.v_clip[i])
+        return out
+
+    def bits_per_element(self) -> float:
+        return self.spec.bits_per_element(self.model.head_dim)
+
+    # --------------------------------------------------------------------------------------------- I/O
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {n: getattr(self, n).detach().to(torch.float32).contiguous().cpu() for n in TENSOR_NAMES}
+        save_file(tensors, str(path / "rotations.safetensors"), metadata={"format_version": str(FORMAT_VERSION)})
+        meta = {
+            "format": "oscarkv-calibration",
+            "format_version": FORMAT_VERSION,
+            "spec": self.spec.to_dict(),
+            "model": asdict(self.model),
+            "provenance": self.provenance,
+            "layer_formats": self.layer_formats,
+        }
+        (path / "oscar.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model: Any = None) -> "Calibration":
+        """Load an artifact folder; with ``model`` (a transformers model, config or :class:`ModelIdentity`)
+        also check that it belongs to that model."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta_path, tensor_path = path / "oscar.json", path / "rotations.safetensors"
+        if not path.is_dir():
+            raise ArtifactError(f"{path} is not a calibration folder (run `oscarkv calibrate --out {path}` first)")
+        for p in (meta_path, tensor_path):
+            if not p.exists():
+                raise ArtifactError(f"{path} is missing {p.name}; it is not a complete oscarkv calibration")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != "oscarkv-calibration":
+            raise ArtifactError(f"{meta_path} is not an oscarkv calibration (format={meta.get('format')!r})")
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{path} has format version {version!r}; this oscarkv reads version {FORMAT_VERSION}. "
+                "Re-run `oscarkv calibrate` with this version."
+            )
+        tensors = load_file(str(tensor_path))
+        missing = [n for n in TENSOR_NAMES if n not in tensors]
+        if missing:
+            raise ArtifactError(f"{tensor_path} lacks tensors {missing}")
+        calib = cls(
+            spec=QuantSpec.from_dict(meta["spec"]),
+            model=ModelIdentity(**meta["model"]),
+            provenance=meta.get("provenance", {}),
+            layer_formats=meta.get("layer_formats"),
+            **{n: tensors[n] for n in TENSOR_NAMES},
+        )
+        if model is not None:
+            calib.check_model(model)
+        return calib
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``ArtifactError`` naming every difference between this calibration and ``model``."""
+        other = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
+        diffs = self.model.differences(other)
+        if diffs:
+            raise ArtifactError(
+                f"calibration for {self.model.name or self.model.architecture!r} does not match this model "
+                f"({other.name or other.architecture!r}): " + "; ".join(diffs)
+                + ". Calibrate this model with `oscarkv calibrate`."
+            )
+
+    # ------------------------------------------------------------------------------------ constructors
+    @classmethod
+    def identity(cls, model: ModelIdentity, spec: QuantSpec | None = None, clip: float = 0.0) -> "Calibration":
+        """Identity rotations, zero means, fixed clip: for tests and for data-free baselines."""
+        spec = spec or QuantSpec(k_clip=clip, v_clip=clip, centering=False, composition="none")
+        L, H, d = model.num_layers, model.num_kv_heads, model.head_dim
+        shape = (L, H, d, d) if spec.granularity == "head" else (L, d, d)
+        eye = torch.eye(d).expand(shape).clone()
+        return cls(
+            spec=spec, model=model, r_k=eye, r_v=eye.clone(), eig_k=torch.zeros(shape[:-1]),
+            eig_v=torch.zeros(shape[:-1]), mu_k=torch.zeros(L, H, d), mu_v=torch.zeros(L, H, d),
+            k_clip=torch.full((L,), float(clip)), v_clip=torch.full((L,), float(clip)),
+            provenance={"kind": "identity"},
+        )
+
+    @classmethod
+    def from_rotation_zoo(
+        cls, k_path: str | Path, v_path: str | Path, model: Any, spec: QuantSpec | None = None
+    ) -> "Calibration":
+        """Import reference RotationZoo ``.pt`` files (``{"layers": {i: {"rotation", "eigenvalues"}}}``) for
+        keys and values. Loaded with ``weights_only=True``; means are zero (the reference does not center)."""
+        ident = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
+        spec = spec or QuantSpec(k_clip=0.96, v_clip=0.92, centering=False)
+        r = {}
+        for which, p in (("k", k_path), ("v", v_path)):
+            blob = torch.load(str(p), map_location="cpu", weights_only=True)
+            if not isinstance(blob, Mapping) or "layers" not in blob:
+                raise ArtifactError(f"{p} is not a RotationZoo file: expected a dict with a 'layers' entry")
+            layers = blob["layers"]
+            rots, eigs = [], []
+            for i in range(ident.num_layers):
+                entry = layers.get(i, layers.get(str(i))) if isinstance(layers, Mapping) else layers[i]
+                if entry is None:
+                    raise ArtifactError(f"{p} has no entry for layer {i} (model has {ident.num_layers} layers)")
+                rots.append(torch.as_tensor(entry["rotation"], dtype=torch.float32))
+                eigs.append(torch.as_tensor(entry.get("eigenvalues", torch.zeros(ident.head_dim)), dtype=torch.float32))
+            r[which] = (torch.stack(rots), torch.stack(eigs))
+        L, H, d = ident.num_layers, ident.num_kv_heads, ident.head_dim
+        return cls(
+            spec=spec.replace(granularity="layer"), model=ident, r_k=r["k"][0], r_v=r["v"][0], eig_k=r["k"][1],
+            eig_v=r["v"][1], mu_k=torch.zeros(L, H, d), mu_v=torch.zeros(L, H, d),
+            k_clip=torch.full((L,), 0.96), v_clip=torch.full((L,), 0.92),
+            provenance={"imported_from": [str(k_path), str(v_path)], "kind": "rotation_zoo"},
+        )
+
+
+__all__ = ["Calibration", "ModelIdentity", "ArtifactError", "UnsupportedModelError", "FORMAT_VERSION"]
