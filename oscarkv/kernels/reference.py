@@ -1,0 +1,138 @@
+"""PyTorch references of every kernel op: the specification the Triton kernels are tested against, and the
+implementation used on CPU. Shapes follow :mod:`oscarkv.kernels.layout`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..quant import dequantize, quantize, QuantizedRows
+from .layout import QuantPages
+
+
+def quantize_write_ref(
+    pages: QuantPages,
+    x: Tensor,
+    slots: Tensor,
+    *,
+    rotation: Tensor | None = None,
+    mean: Tensor | None = None,
+    clip_ratio: float = 0.0,
+) -> None:
+    """Center, rotate, clip, quantize and pack rows ``x`` ``[N, Hkv, d]`` into ``slots`` (int64 ``[N]``,
+    ``page * page_size + row``) of ``pages``, in place.
+
+    ``mean``: ``[Hkv, d]`` subtracted first; ``rotation``: ``[d, d]`` or ``[Hkv, d, d]`` applied as ``x @ R``
+    in float32. Bit-identical to :func:`oscarkv.quant.quantize` on the rotated rows.
+    """
+    fmt = pages.fmt
+    xf = x.to(torch.float32)
+    if mean is not None:
+        xf = xf - mean.to(torch.float32)
+    if rotation is not None:
+        r = rotation.to(torch.float32)
+        xf = torch.einsum("nhd,de->nhe", xf, r) if r.ndim == 2 else torch.einsum("nhd,hde->nhe", xf, r)
+    q = quantize(xf, bits=fmt.bits, group_size=fmt.group_size, clip_ratio=clip_ratio, meta_dtype=fmt.meta_dtype,
+                 check_finite=False)
+    page = slots // fmt.page_size
+    row = slots % fmt.page_size
+    pages.codes[page, :, row] = q.packed
+    pages.scale[page, :, row] = q.scale
+    pages.offset[page, :, row] = q.offset
+
+
+def gather_dequant_ref(pages: QuantPages, block_table: Tensor, b: int, ntok: int) -> Tensor:
+    """Dequantized rows ``[Hkv, ntok, d]`` (float32) of the first ``ntok`` 2-bit-tier tokens of sequence ``b``."""
+    fmt = pages.fmt
+    if ntok == 0:
+        return torch.zeros(fmt.num_kv_heads, 0, fmt.head_dim, device=pages.codes.device)
+    npages = math.ceil(ntok / fmt.page_size)
+    ids = block_table[b, :npages].long()
+    rows = QuantizedRows(
+        packed=pages.codes[ids], scale=pages.scale[ids], offset=pages.offset[ids],
+        bits=fmt.bits, group_size=fmt.group, dim=fmt.head_dim,
+    )
+    x = dequantize(rows)  # [npages, Hkv, page, d]
+    return x.permute(1, 0, 2, 3).reshape(fmt.num_kv_heads, npages * fmt.page_size, fmt.head_dim)[:, :ntok]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, sm_scale: float, mask: Tensor | None = None) -> Tensor:
+    """q ``[Hq, M, d]``, k/v ``[Hkv, N, d]`` (GQA by repetition), mask ``[M, N]`` bool (True = attend)."""
+    g = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(g, 0)
+    v = v.repeat_interleave(g, 0)
+    s = torch.einsum("hmd,hnd->hmn", q, k) * sm_scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hmn,hnd->hmd", torch.softmax(s, dim=-1), v)
+
+
+def decode_attention_ref(
+    q: Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    block_table: Tensor,
+    qlen: Tensor,
+    k16: Tensor,
+    v16: Tensor,
+    len16: Tensor,
+    sm_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """One query per sequence over its 16-bit tiers and 2-bit pages.
+
+    q ``[B, Hq, d]`` (rotated); k16/v16 ``[B, Hkv, C16, d]`` with ``len16[b]`` valid slots; 2-bit tier of
+    ``qlen[b]`` tokens through ``block_table``. Returns ``[B, Hq, d]`` in the rotated V basis, computed in
+    ``dtype`` (float64 for test references). A sequence with no tokens at all gets zeros.
+    """
+    B, Hq, d = q.shape
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    out = torch.zeros(B, Hq, d, dtype=dtype, device=q.device)
+    for b in range(B):
+        n16, nq = int(len16[b]), int(qlen[b])
+        ks = [k16[b, :, :n16].to(dtype), gather_dequant_ref(k_pages, block_table, b, nq).to(dtype)]
+        vs = [v16[b, :, :n16].to(dtype), gather_dequant_ref(v_pages, block_table, b, nq).to(dtype)]
+        if n16 + nq == 0:
+            continue
+        out[b] = _attend(q[b].to(dtype).unsqueeze(1), torch.cat(ks, 1), torch.cat(vs, 1), sm_scale).squeeze(1)
+    return out
+
+
+def extend_attention_ref(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    block_table: Tensor,
+    qlen: Tensor,
+    k16: Tensor,
+    v16: Tensor,
+    len16: Tensor,
+    sm_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """A new chunk of ``T`` tokens per sequence attends causally to itself (16-bit ``k_new``/``v_new``
+    ``[B, T, Hkv, d]``) and fully to the stored prefix (16-bit tiers + 2-bit pages), as stored.
+
+    q ``[B, T, Hq, d]`` (rotated). Returns ``[B, T, Hq, d]`` in the rotated V basis.
+    """
+    B, T, Hq, d = q.shape
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    out = torch.zeros(B, T, Hq, d, dtype=dtype, device=q.device)
+    for b in range(B):
+        n16, nq = int(len16[b]), int(qlen[b])
+        kp = torch.cat([k16[b, :, :n16].to(dtype), gather_dequant_ref(k_pages, block_table, b, nq).to(dtype)], 1)
+        vp = torch.cat([v16[b, :, :n16].to(dtype), gather_dequant_ref(v_pages, block_table, b, nq).to(dtype)], 1)
+        k = torch.cat([kp, k_new[b].transpose(0, 1).to(dtype)], 1)
+        v = torch.cat([vp, v_new[b].transpose(0, 1).to(dtype)], 1)
+        npre = kp.shape[1]
+        mask = torch.ones(T, npre + T, dtype=torch.bool, device=q.device)
+        mask[:, npre:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        out[b] = _attend(q[b].transpose(0, 1).to(dtype), k, v, sm_scale, mask).transpose(0, 1)
+    return out
+
+
+__all__ = ["quantize_write_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]
