@@ -1,0 +1,173 @@
+"""How the harness runs a model under a KV-cache method.
+
+The harness needs two things from a method, and nothing else:
+
+* ``simulate(model, method)``: a context manager under which ONE full forward pass gives, at every position, the
+  logits a token-by-token decode through the method's cache would give (teacher forcing: KLD, PPL, greedy
+  agreement, fidelity).
+* ``cache(model, method)``: a context manager yielding a factory of fresh cache objects to pass to the model as
+  ``past_key_values`` (chunked prefill of a prompt, then greedy decode: NIAH and ``greedy --mode decode``).
+
+:class:`HFBackend` provides both from :mod:`oscarkv.hf` and a calibration; tests use small stand-ins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Protocol
+
+import torch
+from torch import Tensor
+
+
+class Backend(Protocol):
+    """What the evaluation harness needs from a set of KV-cache methods."""
+
+    def simulate(self, model: Any, method: str) -> ContextManager[Any]: ...
+
+    def cache(self, model: Any, method: str) -> ContextManager[Callable[[], Any]]: ...
+
+    def describe(self, model: Any, method: str) -> dict: ...
+
+
+class HFBackend:
+    """Methods of :mod:`oscarkv.methods` through :mod:`oscarkv.hf` with one calibration artifact.
+
+    ``calibration`` may be ``None`` for data-free methods only (bf16, naive-int2, quarot-int2, kivi-2,
+    int4-hadamard); the adapter then passes an identity calibration.
+    """
+
+    def __init__(self, calibration: Any = None):
+        self.calibration = calibration
+
+    def _calib(self, model: Any) -> Any:
+        if self.calibration is not None:
+            return self.calibration
+        from ..artifact import Calibration, ModelIdentity
+
+        return Calibration.identity(ModelIdentity.from_config(model.config))
+
+    def simulate(self, model: Any, method: str) -> ContextManager[Any]:
+        from .. import hf
+
+        return hf.simulate(model, self._calib(model), method)
+
+    @contextlib.contextmanager
+    def cache(self, model: Any, method: str) -> Iterator[Callable[[], Any]]:
+        from .. import hf
+
+        handle = hf.apply(model, self._calib(model), method)
+        try:
+            yield _cache_factory(handle)
+        finally:
+            remove = getattr(handle, "remove", None) or getattr(handle, "restore", None)
+            if callable(remove):
+                remove()
+
+    def describe(self, model: Any, method: str) -> dict:
+        """Nominal bits per element and the method's spec where the registry provides them."""
+        from .. import methods
+
+        out: dict = {"method": method}
+        try:
+            m = methods.get(method) if hasattr(methods, "get") else methods.METHODS[method]
+        except Exception as e:  # an unknown method is reported by simulate/cache with a clear message
+            out["error"] = str(e)
+            return out
+        for attr in ("bits_per_element", "nominal_bits"):
+            fn = getattr(m, attr, None)
+            if callable(fn):
+                try:
+                    out["bits_nominal"] = float(fn(model.config))
+                except Exception:
+                    pass
+                break
+        return out
+
+
+def _cache_factory(handle: Any) -> Callable[[], Any]:
+    """Turn whatever ``hf.apply`` returned into a zero-argument cache factory."""
+    for attr in ("new_cache", "make_cache", "cache"):
+        fn = getattr(handle, attr, None)
+        if callable(fn):
+            return fn
+    if callable(handle):
+        return handle
+    raise TypeError(f"oscarkv.hf.apply returned {type(handle).__name__}, which gives no way to build a cache")
+
+
+# ------------------------------------------------------------------------------------------ model access
+def decoder(model: Any) -> Any:
+    """The transformer body (embeddings + layers + final norm) of a causal-LM wrapper."""
+    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if body is None or body is model:
+        raise ValueError(f"{type(model).__name__} has no decoder body at .{model.base_model_prefix}")
+    return body
+
+
+def output_head(model: Any) -> Callable[[Tensor], Tensor]:
+    """``hidden [n, D] -> logits [n, V]`` as the model computes them (including final logit soft-capping)."""
+    lm_head = model.get_output_embeddings()
+    cap = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "final_logit_softcapping", None)
+
+    @torch.inference_mode()
+    def head(h: Tensor) -> Tensor:
+        logits = lm_head(h)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return head
+
+
+@torch.inference_mode()
+def final_hidden(model: Any, input_ids: Tensor) -> Tensor:
+    """Final hidden states ``[T, D]`` (float32, on the model's device) of one sequence ``input_ids`` ``[T]``."""
+    dev = next(model.parameters()).device
+    out = decoder(model)(input_ids=input_ids.view(1, -1).to(dev), use_cache=False)
+    return out.last_hidden_state[0].float()
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: Any,
+    prompt: Tensor,
+    cache: Any,
+    max_new_tokens: int,
+    *,
+    chunk: int = 256,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Prefill ``prompt`` ``[T]`` into ``cache`` in chunks of ``chunk`` tokens (each chunk attends to the
+    earlier ones as stored), then decode greedily one token at a time through the cache."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    dev = next(model.parameters()).device
+    ids = prompt.view(1, -1).to(dev)
+    kw = _cache_kwarg(model)
+    logits = None
+    for s in range(0, ids.shape[1], chunk):
+        logits = model(input_ids=ids[:, s : s + chunk], **{kw: cache}, use_cache=True, logits_to_keep=1).logits
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if tok in stop_ids or len(out) == max_new_tokens:
+            break
+        step = torch.tensor([[tok]], device=dev)
+        logits = model(input_ids=step, **{kw: cache}, use_cache=True, logits_to_keep=1).logits
+    return out
+
+
+def _cache_kwarg(model: Any) -> str:
+    """``cache`` where the model's forward takes it (transformers >= 5.2x), else ``past_key_values``."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+__all__ = ["Backend", "HFBackend", "decoder", "output_head", "final_hidden", "greedy_generate"]

@@ -1,0 +1,91 @@
+"""Greedy-continuation agreement with the unquantized model (task ``greedy``).
+
+The reference continuation is the unquantized model's greedy decode of ``new_tokens`` tokens after a prompt
+(a window of held-out text). Two ways to get a method's agreement:
+
+* ``mode="teacher"`` (default, one forward pass per method): run the method under ``simulate`` over the prompt
+  followed by the reference continuation. While the method agrees with the reference its greedy prefix *is*
+  the reference prefix, so its next greedy token is the argmax at that position: the first position where the
+  argmax differs from the reference token is exactly the first divergence of the method's own greedy decode.
+* ``mode="decode"``: prefill the prompt through the method's cache in chunks and decode greedily, token by
+  token, then compare (slower; also exercises the real decode path).
+
+Recorded per prompt: ``first_div`` (index of the first differing token, ``new_tokens`` if none), ``exact`` (1 if
+all tokens agree) and ``agree`` (= first_div / new_tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from .backend import final_hidden, greedy_generate, output_head
+from .metrics import first_divergence
+from .session import Session
+from .store import read_jsonl
+
+TASK = "greedy"
+REF = "bf16"
+
+
+def _reference_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def run_greedy(
+    s: Session, methods: list[str], length: int, n_prompts: int, *, new_tokens: int = 32, mode: str = "teacher",
+    chunk: int = 256,
+) -> list[dict]:
+    """Greedy agreement of ``methods`` with the reference on ``n_prompts`` prompts of ``length`` tokens."""
+    if mode not in ("teacher", "decode"):
+        raise ValueError(f"greedy mode must be 'teacher' or 'decode', got {mode!r}")
+    prompts = s.windows(length, n_prompts)
+    protocol = {"new_tokens": new_tokens, "mode": mode}
+    ref_run = s.run_id(TASK + "-ref", REF, length, new_tokens=new_tokens)
+    ref_path = s.store.path(s.model_name, s.text.name, REF, TASK + "-ref", length)
+    refs = {r["key"]: r["tokens"] for r in _records(s, ref_path, ref_run)}
+    new = []
+    for i, p in enumerate(tqdm(prompts, desc=f"{s.model_name} greedy-ref@{length}", disable=not s.progress)):
+        if f"p{i}" in refs:
+            continue
+        toks = greedy_generate(s.model, p, _reference_cache(s.model), new_tokens, chunk=chunk)
+        rec = s.base_record(TASK + "-ref", REF, length, ref_run, f"p{i}")
+        rec.update(prompt=i, tokens=toks)
+        s.store.append(ref_path, rec)
+        refs[f"p{i}"] = toks
+    head = output_head(s.model)
+    for m in methods:
+        run = s.run_id(TASK, m, length, **protocol)
+        path = s.store.path(s.model_name, s.text.name, m, TASK, length)
+        done = s.store.done(path, run)
+        todo = [i for i in range(len(prompts)) if f"p{i}" not in done]
+        for i in tqdm(todo, desc=f"{s.model_name} greedy@{length} {m}", disable=not s.progress):
+            ref = refs[f"p{i}"]
+            got = _method_tokens(s, m, prompts[i], ref, head, mode, chunk)
+            div = first_divergence(ref, got)
+            rec = s.base_record(TASK, m, length, run, f"p{i}")
+            rec.update(prompt=i, new_tokens=len(ref), first_div=div, exact=int(div == len(ref)),
+                       agree=div / max(len(ref), 1), mode=mode)
+            s.store.append(path, rec)
+            new.append(rec)
+    return new
+
+
+def _method_tokens(s: Session, method: str, prompt, ref: list[int], head, mode: str, chunk: int) -> list[int]:
+    if mode == "decode":
+        with s.backend.cache(s.model, method) as new_cache:
+            return greedy_generate(s.model, prompt, new_cache(), len(ref), chunk=chunk)
+    ids = torch.cat([prompt, torch.tensor(ref[:-1], dtype=torch.long)])
+    with s.backend.simulate(s.model, method):
+        h = final_hidden(s.model, ids)
+    T = prompt.numel()
+    return head(h[T - 1 :]).argmax(-1).tolist()
+
+
+def _records(s: Session, path, run) -> list[dict]:
+    return [r for r in read_jsonl(path) if r.get("run") == run]
+
+
+__all__ = ["run_greedy", "TASK"]

@@ -1,0 +1,219 @@
+"""Needle in a haystack, RULER style (task ``niah``).
+
+A sample hides one or more needles ("The special magic number for <key> is: <value>.") in a haystack of
+held-out essays or of RULER's noise sentences, at a relative depth, and asks for one key's value. The prompt
+ends with the needle's own lead-in ("... The special magic number for <key> is:"), so a model answers by
+continuing it; the sample is correct when the decoded answer contains the value. Variants:
+
+* kind ``single`` (one needle) or ``multikey`` (the asked needle plus ``distractors`` with other keys);
+* value ``number`` (7 digits) or ``word`` (a noun);
+* haystack ``essay`` or ``noise``.
+
+Generation is deterministic in ``(variant, length, depth, seed)`` and the tokenizer. The prompt goes through the
+method's cache by chunked prefill (each chunk attends to earlier chunks as stored), then the answer is decoded
+greedily through the cache.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .backend import greedy_generate
+from .session import Session
+from .texts import bos_id
+
+TASK = "niah"
+KINDS = ("single", "multikey")
+VALUES = ("number", "word")
+HAYSTACKS = ("essay", "noise")
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INTRO = ("Some special magic {plural} are hidden within the following text. Make sure to memorize them. "
+         "I will quiz you about the {plural} afterwards.\n")
+NEEDLE = "The special magic {what} for {key} is: {value}."
+QUESTION = "\nQuestion: What is the special magic {what} for {key}?\nAnswer: The special magic {what} for {key} is:"
+_FALLBACK_WORDS = (
+    "apple anchor badger banjo candle canyon dolphin dragon engine falcon garden glacier harbor helmet island "
+    "jacket kettle lantern magnet meadow needle orchard pepper pigeon quartz rabbit saddle signal tablet tiger "
+    "tunnel violin walnut window yogurt zebra blanket cactus feather hammer ladder marble pillow rocket sponge"
+).split()
+
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str = "single"
+    value: str = "number"
+    haystack: str = "essay"
+    distractors: int = 3
+
+    def __post_init__(self) -> None:
+        for name, ok in (("kind", KINDS), ("value", VALUES), ("haystack", HAYSTACKS)):
+            if getattr(self, name) not in ok:
+                raise ValueError(f"NIAH {name} must be one of {list(ok)}, got {getattr(self, name)!r}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.value}-{self.haystack}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        """``kind-value-haystack``, e.g. ``single-number-essay`` or ``multikey-word-noise``."""
+        parts = text.strip().split("-")
+        if len(parts) != 3:
+            raise ValueError(f"NIAH variant {text!r} must be kind-value-haystack with kind in {list(KINDS)}, "
+                             f"value in {list(VALUES)}, haystack in {list(HAYSTACKS)}")
+        return cls(*parts)
+
+
+@dataclass
+class Sample:
+    """One NIAH prompt. ``input_ids`` int64 ``[T]`` (BOS included where the model uses one)."""
+
+    input_ids: Tensor
+    answer: str
+    key: str
+    needles: list[tuple[str, str]]
+    depth: float
+    needle_token: int
+
+    def correct(self, output: str) -> bool:
+        return self.answer.lower() in output.lower()
+
+
+@lru_cache(maxsize=4)
+def _words() -> tuple[str, ...]:
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("wonderwords")
+        folder = Path(list(spec.submodule_search_locations)[0]) / "assets"
+        words = [w.strip() for w in (folder / "nounlist.txt").read_text().split() if w.strip().isalpha()]
+        return tuple(w for w in words if 3 <= len(w) <= 9) or tuple(_FALLBACK_WORDS)
+    except Exception:
+        return tuple(_FALLBACK_WORDS)
+
+
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+
+
+class NiahGenerator:
+    """Builds samples for one tokenizer; ``essay_text`` is the held-out haystack text (ignored for noise)."""
+
+    def __init__(self, tokenizer: Any, essay_text: str = ""):
+        self.tok = tokenizer
+        self.bos = bos_id(tokenizer)
+        self._hay: dict[str, tuple[list[str], list[int]]] = {}
+        self.essay_text = essay_text
+
+    def _count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def _haystack(self, kind: str) -> tuple[list[str], list[int]]:
+        if kind not in self._hay:
+            sents = _sentences(self.essay_text) if kind == "essay" else _sentences(NOISE)
+            if not sents:
+                raise ValueError("the essay haystack is empty: pass the held-out essays as essay_text")
+            enc = self.tok([" " + s for s in sents], add_special_tokens=False)["input_ids"]
+            self._hay[kind] = (sents, [len(e) for e in enc])
+        return self._hay[kind]
+
+    def sample(self, variant: Variant, length: int, depth: float, seed: int) -> Sample:
+        """A prompt of at most ``length`` tokens with the asked needle at relative ``depth`` in [0, 1]."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"needle depth must be in [0, 1], got {depth}")
+        rng = random.Random(f"{variant.name}|{length}|{depth:.4f}|{seed}")
+        words = _words()
+        n_needles = 1 + (variant.distractors if variant.kind == "multikey" else 0)
+        keys = rng.sample(words, n_needles)
+        keys = [f"{k}-{rng.choice(words)}" for k in keys]
+        if variant.value == "number":
+            values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+        else:
+            values = rng.sample(words, n_needles)
+        what = "number" if variant.value == "number" else "word"
+        needles = [NEEDLE.format(what=what, key=k, value=v) for k, v in zip(keys, values)]
+        intro = INTRO.format(plural=what + "s")
+        question = QUESTION.format(what=what, key=keys[0])
+        fixed = self._count(intro) + self._count(question) + sum(self._count(" " + n) for n in needles)
+        budget = int((length - fixed - (self.bos is not None)) * 0.97) - 8
+        if budget < 16:
+            raise ValueError(f"context length {length} is too short for a NIAH prompt (needs about {fixed + 24})")
+        hay = self._take(variant.haystack, budget, rng)
+        cum = [0]
+        for _, n in hay:
+            cum.append(cum[-1] + n)
+        spots = [min(range(len(cum)), key=lambda j: abs(cum[j] - depth * cum[-1]))]
+        for _ in needles[1:]:
+            spots.append(rng.randrange(len(cum)))
+        parts: list[str] = []
+        for j in range(len(hay) + 1):
+            parts += [needles[i] for i, s in enumerate(spots) if s == j]
+            if j < len(hay):
+                parts.append(hay[j][0])
+        text = intro + " ".join(parts) + question
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.bos is not None:
+            ids = [self.bos] + ids
+        if len(ids) > length:
+            raise ValueError(f"NIAH prompt came out at {len(ids)} > {length} tokens; report this as a bug")
+        needle_tok = len(self.tok(intro + " ".join(parts[: parts.index(needles[0])]), add_special_tokens=False)["input_ids"])
+        return Sample(torch.tensor(ids, dtype=torch.long), values[0], keys[0], list(zip(keys, values)), depth,
+                      needle_tok + (self.bos is not None))
+
+    def _take(self, kind: str, budget: int, rng: random.Random) -> list[tuple[str, int]]:
+        sents, counts = self._haystack(kind)
+        i = rng.randrange(len(sents)) if kind == "essay" else 0
+        out, used = [], 0
+        while used + max(counts[i], 1) <= budget:
+            out.append((sents[i], counts[i]))
+            used += max(counts[i], 1)
+            i = (i + 1) % len(sents)
+        return out
+
+
+def run_niah(
+    s: Session, methods: list[str], lengths: Sequence[int], depths: Sequence[float], variants: Sequence[Variant],
+    samples: int, *, chunk: int = 256, essay_text: str | None = None,
+) -> list[dict]:
+    """Evaluate every method on every (variant, length, depth, seed) sample; resumable per unit."""
+    gen = NiahGenerator(s.tokenizer, s.text.text if essay_text is None else essay_text)
+    new = []
+    for length in lengths:
+        units = [(v, d, k) for v in variants for d in depths for k in range(samples)]
+        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants)}
+        for m in methods:
+            run = s.run_id(TASK, m, length, chunk=chunk)
+            path = s.store.path(s.model_name, s.text.name, m, TASK, length)
+            done = s.store.done(path, run)
+            todo = [u for u in units if _key(*u) not in done]
+            if not todo:
+                continue
+            with s.backend.cache(s.model, m) as new_cache:
+                for v, d, k in tqdm(todo, desc=f"{s.model_name} niah@{length} {m}", disable=not s.progress):
+                    smp = gen.sample(v, length, d, k)
+                    n_ans = len(s.tokenizer(" " + smp.answer, add_special_tokens=False)["input_ids"])
+                    out = greedy_generate(s.model, smp.input_ids, new_cache(), n_ans + 4, chunk=chunk)
+                    text = s.tokenizer.decode(out, skip_special_tokens=True)
+                    rec = s.base_record(TASK, m, length, run, _key(v, d, k))
+                    rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
+                               needle_token=smp.needle_token, answer=smp.answer, output=text,
+                               correct=int(smp.correct(text)), protocol=protocol)
+                    s.store.append(path, rec)
+                    new.append(rec)
+    return new
+
+
+def _key(v: Variant, depth: float, seed: int) -> str:
+    return f"{v.name}:d{depth:.3f}:s{seed}"
+
+
+__all__ = ["Variant", "Sample", "NiahGenerator", "run_niah", "TASK"]

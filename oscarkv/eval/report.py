@@ -1,0 +1,223 @@
+"""Aggregate result JSONL files into markdown tables and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from .metrics import perplexity
+from .store import ResultStore, safe_name
+
+Group = tuple[str, str, str, str, Any]  # model, data, task, method, context
+
+
+def aggregate(records: Iterable[dict]) -> dict[Group, dict]:
+    """Mean metrics per (model, data, task, method, context)."""
+    groups: dict[Group, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["model"], r["data"], r["task"], r["method"], r["context"])].append(r)
+    return {g: _summarise(g[2], rs) for g, rs in groups.items()}
+
+
+def _mean(rs: list[dict], key: str) -> float:
+    vals = [float(r[key]) for r in rs if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _summarise(task: str, rs: list[dict]) -> dict:
+    out: dict[str, Any] = {"units": len(rs)}
+    if task == "lm":
+        n = sum(int(r["n"]) for r in rs)
+        out.update(kld=sum(r["kld"] * r["n"] for r in rs) / max(n, 1), top1=sum(r["top1"] * r["n"] for r in rs) / max(n, 1),
+                   ppl=perplexity(sum(r["nll"] * r["n"] for r in rs), n),
+                   ppl_ref=perplexity(sum(r["nll_ref"] * r["n"] for r in rs), n), tokens=n,
+                   logit_rel_err=_mean(rs, "logit_rel_err"), kld_max=max(r["kld_max"] for r in rs))
+    elif task == "niah":
+        out["acc"] = _mean(rs, "correct")
+        cells: dict[tuple[float, str], list[int]] = defaultdict(list)
+        for r in rs:
+            cells[(float(r["depth"]), r["variant"])].append(int(r["correct"]))
+        out["by_depth"] = {d: sum(v for (dd, _), vs in cells.items() if dd == d for v in vs)
+                           / sum(len(vs) for (dd, _), vs in cells.items() if dd == d) for d in sorted({k[0] for k in cells})}
+        out["by_variant"] = {var: _mean([r for r in rs if r["variant"] == var], "correct")
+                             for var in sorted({r["variant"] for r in rs})}
+    elif task == "greedy":
+        out.update(first_div=_mean(rs, "first_div"), exact=_mean(rs, "exact"), agree=_mean(rs, "agree"))
+    elif task == "fidelity":
+        layers = [r["attn_rel_err"] for r in rs]
+        out["attn_rel_err"] = [sum(col) / len(col) for col in zip(*layers)]
+        out["logit_rel_err"] = _mean(rs, "logit_rel_err")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _fmt(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and (abs(x) >= 1000 or (0 < abs(x) < 10 ** -digits)):
+        return f"{x:.2e}"
+    return f"{x:.{digits}f}"
+
+
+def _order(methods: Iterable[str], preferred: list[str] | None) -> list[str]:
+    ms = sorted(set(methods))
+    pref = preferred or []
+    return [m for m in pref if m in ms] + [m for m in ms if m not in pref]
+
+
+def markdown_tables(agg: dict[Group, dict], methods_info: dict[str, dict] | None = None,
+                    order: list[str] | None = None) -> str:
+    """One section per (model, data) and task."""
+    info = methods_info or {}
+    out = []
+    for model, data in sorted({(g[0], g[1]) for g in agg}):
+        sub = {g: v for g, v in agg.items() if g[0] == model and g[1] == data}
+        for task, render in (("lm", _lm_table), ("niah", _niah_table), ("greedy", _greedy_table),
+                             ("fidelity", _fidelity_table)):
+            part = {g: v for g, v in sub.items() if g[2] == task}
+            if part:
+                out.append(f"### {model} on {data}: {task}\n\n" + render(part, info.get(model, {}), order) + "\n")
+    return "\n".join(out)
+
+
+def _bits(info: dict, m: str) -> str:
+    b = info.get(m, {}).get("bits")
+    return _fmt(b, 2) if isinstance(b, (int, float)) else "-"
+
+
+def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
+    ctxs = sorted({g[4] for g in part})
+    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c}" for c in ctxs) + " |"
+    rows = [head, "|" + "---|" * (2 + 3 * len(ctxs))]
+    for m in _order((g[3] for g in part), order):
+        cells = []
+        for c in ctxs:
+            v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
+            cells += [_fmt(v["kld"], 4), _fmt(v["top1"], 3), _fmt(v["ppl"], 2)] if v else ["-"] * 3
+        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + " |")
+    n = {c: next(v for g, v in part.items() if g[4] == c) for c in ctxs}
+    foot = "; ".join(f"{c}: {n[c]['units']} window(s), {n[c]['tokens']} scored tokens, reference PPL "
+                     f"{_fmt(n[c]['ppl_ref'], 2)}" for c in ctxs)
+    return "\n".join(rows) + f"\n\n({foot})\n"
+
+
+def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
+    ctxs = sorted({g[4] for g in part})
+    rows = ["| method | bits/elem | " + " | ".join(f"NIAH@{c}" for c in ctxs) + " |", "|" + "---|" * (2 + len(ctxs))]
+    for m in _order((g[3] for g in part), order):
+        cells = []
+        for c in ctxs:
+            v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
+            cells.append(f"{_fmt(v['acc'], 2)} ({v['units']})" if v else "-")
+        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n(accuracy over samples, sample count in parentheses)\n"
+
+
+def _greedy_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
+    ctxs = sorted({g[4] for g in part})
+    rows = ["| method | " + " | ".join(f"exact@{c} | first-div@{c}" for c in ctxs) + " |", "|" + "---|" * (1 + 2 * len(ctxs))]
+    for m in _order((g[3] for g in part), order):
+        cells = []
+        for c in ctxs:
+            v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
+            cells += [_fmt(v["exact"], 2), _fmt(v["first_div"], 1)] if v else ["-", "-"]
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _fidelity_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
+    rows = ["| method | context | logit rel. err | mean attn rel. err | worst layer (err) |", "|---|---|---|---|---|"]
+    for m in _order((g[3] for g in part), order):
+        for g, v in sorted(((g, v) for g, v in part.items() if g[3] == m), key=lambda t: t[0][4]):
+            errs = v["attn_rel_err"]
+            worst = max(range(len(errs)), key=errs.__getitem__)
+            rows.append(f"| {m} | {g[4]} | {_fmt(v['logit_rel_err'])} | {_fmt(sum(errs) / len(errs))} | "
+                        f"{worst} ({_fmt(errs[worst])}) |")
+    return "\n".join(rows) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------- plots
+def plots(agg: dict[Group, dict], folder: str | Path, order: list[str] | None = None) -> list[Path]:
+    """KLD vs context, NIAH depth x length heat maps and per-layer fidelity curves, one PNG per model/data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for model, data in sorted({(g[0], g[1]) for g in agg}):
+        sub = {g: v for g, v in agg.items() if g[0] == model and g[1] == data}
+        stem = f"{safe_name(model)}_{safe_name(data)}"
+        lm = {g: v for g, v in sub.items() if g[2] == "lm"}
+        if lm:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for m in _order((g[3] for g in lm), order):
+                pts = sorted((g[4], v["kld"]) for g, v in lm.items() if g[3] == m and v["kld"] > 0)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=m)
+            ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="mean KL vs BF16 (nats)",
+                   title=f"{model} on {data}")
+            ax.legend(fontsize=7)
+            written.append(_save(fig, folder / f"{stem}_kld.png"))
+        niah = {g: v for g, v in sub.items() if g[2] == "niah"}
+        if niah:
+            written.append(_niah_heatmaps(plt, niah, folder / f"{stem}_niah.png", f"{model} on {data}", order))
+        fid = {g: v for g, v in sub.items() if g[2] == "fidelity"}
+        if fid:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for g, v in sorted(fid.items(), key=lambda t: (t[0][3], t[0][4])):
+                ax.plot(v["attn_rel_err"], label=f"{g[3]} @{g[4]}")
+            ax.set(yscale="log", xlabel="layer", ylabel="attention-output rel. error", title=f"{model} on {data}")
+            ax.legend(fontsize=7)
+            written.append(_save(fig, folder / f"{stem}_fidelity.png"))
+    return written
+
+
+def _niah_heatmaps(plt: Any, niah: dict, path: Path, title: str, order: list[str] | None) -> Path:
+    methods = _order((g[3] for g in niah), order)
+    ctxs = sorted({g[4] for g in niah})
+    depths = sorted({d for v in niah.values() for d in v["by_depth"]})
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 2.8), squeeze=False)
+    for ax, m in zip(axes[0], methods):
+        grid = [[niah.get((*next(iter(niah))[:3], m, c), {}).get("by_depth", {}).get(d, float("nan")) for c in ctxs]
+                for d in depths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs], fontsize=6)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
+        ax.set_title(m, fontsize=8)
+    axes[0][0].set_ylabel("needle depth")
+    fig.suptitle(title + " - NIAH accuracy (length x depth)", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_report(out: str | Path, order: list[str] | None = None, title: str = "oscarkv eval") -> Path:
+    """Aggregate everything under ``out`` into ``out/summary.md``, ``out/summary.json`` and PNG plots."""
+    out = Path(out)
+    agg = aggregate(ResultStore(out).records())
+    info = {}
+    for p in out.glob("*/methods.json"):
+        info[json.loads(p.read_text()).get("model", p.parent.name)] = json.loads(p.read_text()).get("methods", {})
+    pngs = plots(agg, out / "plots", order)
+    md = f"# {title}\n\n" + markdown_tables(agg, info, order)
+    md += "\n" + "\n".join(f"![{p.stem}](plots/{p.name})" for p in pngs) + "\n"
+    (out / "summary.md").write_text(md)
+    (out / "summary.json").write_text(json.dumps({"|".join(map(str, g)): v for g, v in agg.items()}, indent=1,
+                                                 default=str) + "\n")
+    return out / "summary.md"
+
+
+__all__ = ["aggregate", "markdown_tables", "plots", "write_report"]

@@ -1,0 +1,100 @@
+"""One entry point for every task: :func:`evaluate` runs the requested tasks, resumably, then writes the report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .fidelity import run_fidelity
+from .greedy import run_greedy
+from .lm import run_lm
+from .niah import Variant, run_niah
+from .report import write_report
+from .session import Session
+
+TASKS = ("kld", "ppl", "niah", "greedy", "fidelity")
+MAIN_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar")
+
+
+@dataclass
+class Plan:
+    """What to run. ``windows``: teacher-forced windows per context length (kld/ppl/fidelity);
+    ``niah_*``: NIAH grid (lengths default to ``contexts``); ``greedy_*``: prompts and continuation length."""
+
+    methods: list[str]
+    tasks: list[str]
+    contexts: list[int]
+    windows: int = 4
+    niah_lengths: list[int] | None = None
+    niah_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    niah_variants: list[str] = field(default_factory=lambda: ["single-number-essay", "multikey-word-noise"])
+    niah_samples: int = 1
+    greedy_prompts: int = 4
+    greedy_tokens: int = 32
+    greedy_mode: str = "teacher"
+    prefill_chunk: int = 256
+    fidelity_positions: int = 256
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.tasks) - set(TASKS))
+        if bad:
+            raise ValueError(f"unknown task(s) {bad}; tasks are {list(TASKS)}")
+        if not self.methods:
+            raise ValueError("no methods to evaluate")
+        if not self.contexts or any(c < 2 for c in self.contexts):
+            raise ValueError(f"context lengths must be >= 2, got {self.contexts}")
+        for v in self.niah_variants:
+            Variant.parse(v)
+
+
+def evaluate(s: Session, plan: Plan, *, report: bool = True) -> dict:
+    """Run ``plan`` in the order cheap-to-expensive; every finished unit is in the store as soon as it ends."""
+    _write_methods_info(s, plan.methods)
+    counts: dict[str, int] = {}
+    if {"kld", "ppl"} & set(plan.tasks):
+        for c in plan.contexts:
+            counts[f"lm@{c}"] = len(run_lm(s, plan.methods, c, plan.windows))
+    if "greedy" in plan.tasks:
+        for c in plan.contexts:
+            counts[f"greedy@{c}"] = len(run_greedy(s, plan.methods, c, plan.greedy_prompts,
+                                                   new_tokens=plan.greedy_tokens, mode=plan.greedy_mode,
+                                                   chunk=plan.prefill_chunk))
+    if "fidelity" in plan.tasks:
+        for c in plan.contexts:
+            counts[f"fidelity@{c}"] = len(run_fidelity(s, plan.methods, c, plan.windows,
+                                                       max_positions=plan.fidelity_positions))
+    if "niah" in plan.tasks:
+        variants = [Variant.parse(v) for v in plan.niah_variants]
+        counts["niah"] = len(run_niah(s, plan.methods, plan.niah_lengths or plan.contexts, plan.niah_depths, variants,
+                                      plan.niah_samples, chunk=plan.prefill_chunk, essay_text=_essays(s)))
+    out = {"new_units": counts}
+    if report:
+        out["report"] = str(write_report(s.store.root, order=list(MAIN_METHODS)))
+    return out
+
+
+def _essays(s: Session) -> str:
+    """Held-out essays for the NIAH haystack (the evaluation text itself when it already is the essays or a file)."""
+    if s.text.name == "essays" or s.text.provenance.get("kind") == "file":
+        return s.text.text
+    from .texts import load_eval_text
+
+    return load_eval_text("essays").text
+
+
+def _write_methods_info(s: Session, methods: Sequence[str]) -> None:
+    """``<out>/<model>/methods.json``: per method, bits per element and what the backend says about it."""
+    path = Path(s.store.root) / s.store.path(s.model_name, "x", "x", "x", 0).parent.parent.parent.name / "methods.json"
+    info = json.loads(path.read_text()) if path.is_file() else {"model": s.model_name, "methods": {}}
+    for m in methods:
+        info["methods"][m] = s.backend.describe(s.model, m)
+    info["calibration"] = s.calib_tag
+    info["calibration_provenance"] = getattr(s.calibration, "provenance", None)
+    info["text"] = {"name": s.text.name, "sha256": s.text.sha256, **s.text.provenance}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+__all__ = ["evaluate", "Plan", "TASKS", "MAIN_METHODS"]

@@ -1,0 +1,102 @@
+"""Shared state of one evaluation run: model, tokenizer, backend, held-out text, result store, reference cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .backend import Backend, final_hidden
+from .store import ResultStore, fingerprint, safe_name
+from .texts import EvalText, bos_id, tokenize, windows
+
+
+def calibration_tag(calibration: Any) -> str:
+    """Stable short hash of a calibration's tensors and spec ("none" without one)."""
+    if calibration is None:
+        return "none"
+    h = hashlib.sha256(json.dumps(calibration.spec.to_dict(), sort_keys=True).encode())
+    for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
+        t = getattr(calibration, name, None)
+        if t is not None:
+            h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Session:
+    """Everything the task runners share. ``score_from``: first scored position of teacher-forced metrics
+    (``sink + window`` of the calibration's spec unless given). ``ref_dir``: where reference (unquantized)
+    final hidden states are cached across runs (None: recompute every time)."""
+
+    model: Any
+    tokenizer: Any
+    model_name: str
+    backend: Backend
+    store: ResultStore
+    text: EvalText
+    calibration: Any = None
+    score_from: int = 320
+    ref_dir: Path | None = None
+    progress: bool = True
+    log: Any = print
+    _tokens: Tensor | None = field(default=None, repr=False)
+    _calib_tag: str | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------------------------------ text
+    @property
+    def tokens(self) -> Tensor:
+        if self._tokens is None:
+            self._tokens = tokenize(self.tokenizer, self.text.text)
+        return self._tokens
+
+    def windows(self, length: int, count: int) -> list[Tensor]:
+        return windows(self.tokens, length, count, bos_id(self.tokenizer))
+
+    @property
+    def calib_tag(self) -> str:
+        if self._calib_tag is None:
+            self._calib_tag = calibration_tag(self.calibration)
+        return self._calib_tag
+
+    # ------------------------------------------------------------------------------------ bookkeeping
+    def run_id(self, task: str, method: str, length: int | str, **protocol: Any) -> str:
+        """Fingerprint of everything that determines a unit's result (not the code version)."""
+        return fingerprint({
+            "task": task, "method": method, "context": length, "model": self.model_name,
+            "text": self.text.sha256, "calibration": self.calib_tag if method != "bf16" else "-", **protocol,
+        })
+
+    def base_record(self, task: str, method: str, length: int | str, run: str, key: str) -> dict:
+        return {
+            "key": key, "run": run, "task": task, "method": method, "context": length, "model": self.model_name,
+            "data": self.text.name, "calibration": self.calib_tag, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+
+    # ------------------------------------------------------------------------------------ reference
+    def reference_hidden(self, ids: Tensor, label: str) -> Tensor:
+        """Final hidden states ``[T, D]`` of the unquantized model on ``ids``, cached on disk under ``ref_dir``
+        (keyed by the model name and a hash of the tokens)."""
+        digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+        path = None
+        if self.ref_dir is not None:
+            path = Path(self.ref_dir) / safe_name(self.model_name) / f"{safe_name(label)}_{digest}.pt"
+            if path.is_file():
+                h = torch.load(path, map_location="cpu", weights_only=True)
+                return h.to(next(self.model.parameters()).device)
+        h = final_hidden(self.model, ids)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save(h.cpu(), tmp)
+            tmp.replace(path)
+        return h
+
+
+__all__ = ["Session", "calibration_tag"]

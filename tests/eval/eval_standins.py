@@ -1,0 +1,144 @@
+"""Small stand-ins for the evaluation tests: a word tokenizer, a fake-quantizing backend on tiny HF models, and a
+copy ("induction") model whose cache is its token history."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from oscarkv.eval.backend import decoder
+from oscarkv.quant import fake_quantize
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+class WordTokenizer:
+    """Words and punctuation marks are tokens; the vocabulary grows as text is encoded."""
+
+    bos_token_id = None
+    add_bos_token = False
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def _id(self, w: str) -> int:
+        if w not in self.vocab:
+            self.vocab[w] = len(self.words)
+            self.words.append(w)
+        return self.vocab[w]
+
+    def __call__(self, text, add_special_tokens=False):
+        if isinstance(text, list):
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
+        return {"input_ids": [self._id(w) for w in _WORD.findall(text)]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.words[i] for i in ids)
+
+
+def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class FakeQuantBackend:
+    """``bf16``: the model as is. ``q2``/``q4``: every key and value row of every head fake-quantized (no windows).
+    Quantization is per token and position-independent, so the teacher-forced and decode paths agree."""
+
+    BITS = {"bf16": None, "q2": 2, "q4": 4}
+
+    def __init__(self):
+        self.cache_calls = 0
+
+    @contextlib.contextmanager
+    def simulate(self, model, method):
+        bits = self.BITS[method]
+        handles = []
+        if bits is not None:
+            d = model.config.head_dim
+
+            def hook(_m, _a, out):
+                return fake_quantize(out.reshape(*out.shape[:-1], -1, d), bits=bits).reshape(out.shape)
+
+            for layer in decoder(model).layers:
+                handles += [layer.self_attn.k_proj.register_forward_hook(hook),
+                            layer.self_attn.v_proj.register_forward_hook(hook)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def cache(self, model, method):
+        from transformers import DynamicCache
+
+        self.cache_calls += 1
+        with self.simulate(model, method):
+            yield lambda: DynamicCache(config=model.config)
+
+    def describe(self, model, method):
+        bits = self.BITS[method]
+        return {"method": method, "bits": 16.0 if bits is None else bits + 32 / model.config.head_dim}
+
+
+class CopyCache:
+    """The copy model's "cache": the token history, optionally forgetting all but the last ``keep`` tokens."""
+
+    def __init__(self, keep: int | None = None):
+        self.tokens: list[int] = []
+        self.keep = keep
+
+
+class CopyModel(nn.Module):
+    """Predicts the token that followed the most recent earlier occurrence of the longest matching suffix
+    (up to ``max_n`` tokens) of the history: an n-gram induction "copy" model. Logits are one-hot."""
+
+    def __init__(self, vocab: int = 4096, max_n: int = 8):
+        super().__init__()
+        self.vocab, self.max_n = vocab, max_n
+        self.dummy = nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace()
+
+    def predict(self, hist: list[int]) -> int:
+        for n in range(min(self.max_n, len(hist) - 1), 0, -1):
+            suffix = hist[-n:]
+            for s in range(len(hist) - n - 1, -1, -1):
+                if hist[s : s + n] == suffix:
+                    return hist[s + n]
+        return 0
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0, **_):
+        cache = past_key_values if past_key_values is not None else CopyCache()
+        cache.tokens += input_ids[0].tolist()
+        visible = cache.tokens if cache.keep is None else cache.tokens[-cache.keep :]
+        logits = torch.zeros(1, 1, self.vocab)
+        logits[0, 0, self.predict(visible)] = 1.0
+        return SimpleNamespace(logits=logits, past_key_values=cache)
+
+
+class CopyBackend:
+    """``bf16``: full history; ``forgetful``: the cache keeps only the last 24 tokens (a method that loses the
+    needle)."""
+
+    KEEP = {"bf16": None, "forgetful": 24}
+
+    @contextlib.contextmanager
+    def cache(self, model, method):
+        keep = self.KEEP[method]
+        yield lambda: CopyCache(keep)
+
+    def simulate(self, model, method):
+        raise NotImplementedError
+
+    def describe(self, model, method):
+        return {"method": method}
