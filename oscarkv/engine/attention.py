@@ -1,0 +1,158 @@
+"""Forward contexts: what the decoder's attention layers call (``rotation(layer)``, ``attention(layer, q, kv)``).
+
+``DecodeCtx`` holds static, preallocated metadata for a batch of slots ``[0, bs)`` (so a CUDA graph captured
+with it stays valid; the runner refreshes the contents before each replay). ``PrefillCtx`` runs one chunk of
+one sequence eagerly and writes the chunk's K/V into the tiers layer by layer, after that layer's attention
+has read the prefix as stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels import reference as ref
+from . import ops
+from .kv import Bf16Pool, KVPool, OscarPool
+
+
+def _kernel_op(name: str):
+    """The dispatch layer's op where it exists (CUDA kernels, reference on CPU), else the reference."""
+    try:
+        from ..kernels import dispatch  # noqa: PLC0415
+    except ImportError:
+        return getattr(ref, f"{name}_ref")
+    return getattr(dispatch, name, None) or getattr(ref, f"{name}_ref")
+
+
+class _Ctx:
+    def __init__(self, pool: KVPool, sm_scale: float):
+        self.pool, self.sm_scale = pool, sm_scale
+        self.oscar = isinstance(pool, OscarPool)
+
+    def rotation(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        if self.oscar:
+            return self.pool.r_k[layer], self.pool.mu_k[layer]
+        return None, None
+
+
+class DecodeCtx(_Ctx):
+    """Decode of one new token for each of the slots ``[0, bs)``."""
+
+    def __init__(self, pool: KVPool, bs: int, sm_scale: float):
+        super().__init__(pool, sm_scale)
+        dev = pool.device
+        self.bs = bs
+        self.tokens = torch.zeros(bs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(bs, dtype=torch.long, device=dev)
+        self.widx = torch.zeros(bs, dtype=torch.long, device=dev)  # bf16: page*P+row; oscar: 16-bit index
+        self.lens = torch.zeros(bs, dtype=torch.int32, device=dev)  # bf16: tokens; oscar: 16-bit tokens
+        self.qlen = torch.zeros(bs, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(bs, device=dev)
+        self.block_table = pool.block_table[:bs]
+        self._decode = _kernel_op("decode_attention") if self.oscar else None
+
+    def fill(self, tokens: list[int], positions: list[int], widx: list[int], lens: list[int],
+             qlen: list[int]) -> None:
+        """Refresh the static inputs from host lists of length ``bs`` (padded rows included)."""
+        host = torch.tensor([tokens, positions, widx, lens, qlen], dtype=torch.long)
+        host = host.to(self.tokens.device, non_blocking=True)
+        self.tokens.copy_(host[0])
+        self.positions.copy_(host[1])
+        self.widx.copy_(host[2])
+        self.lens.copy_(host[3])
+        self.qlen.copy_(host[4])
+
+    def attention(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool = self.pool
+        if isinstance(pool, Bf16Pool):
+            P = pool.cfg.page_size
+            pool.kv[layer][:, self.widx // P, :, self.widx % P] = kv.transpose(0, 1)
+            return ops.paged_decode(q, pool.kv[layer], self.block_table, self.lens, self.sm_scale, pool.max_len)
+        assert isinstance(pool, OscarPool)
+        buf = pool.buf[:, layer]
+        buf[:, self.rows, :, self.widx] = kv.transpose(0, 1)
+        kp, vp = pool.pages[0][layer], pool.pages[1][layer]
+        out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
+                           sm_scale=self.sm_scale)
+        return out.to(q.dtype)
+
+
+class PrefillCtx(_Ctx):
+    """One chunk of one sequence: tokens at positions ``[n0, n1)`` of slot ``slot``; for OSCAR, ``new_pages``
+    are the page ids (already in the block table) that this chunk's demotions fill."""
+
+    def __init__(self, pool: KVPool, slot: int, n0: int, n1: int, sm_scale: float, new_pages: list[int]):
+        super().__init__(pool, sm_scale)
+        self.slot, self.n0, self.n1 = slot, n0, n1
+        self.dev = pool.device
+        cfg = pool.cfg
+        if self.oscar:
+            self.q0 = pool.qlens[slot]
+            self.q1 = cfg.qlen(n1)
+            self.len16 = n0 - self.q0
+            self.pages = torch.tensor(new_pages, dtype=torch.long, device=self.dev)
+            self._extend = _kernel_op("extend_attention")
+        else:
+            pos = torch.arange(n0, n1, device=self.dev)
+            pages = pool.block_table[slot, pos // cfg.page_size].long()
+            self.page_ids, self.page_rows = pages, pos % cfg.page_size
+
+    def attention(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        return self._oscar(layer, q, kv) if self.oscar else self._bf16(layer, q, kv)
+
+    def _bf16(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool, P = self.pool, self.pool.cfg.page_size
+        pool.kv[layer][:, self.page_ids, :, self.page_rows] = kv.transpose(0, 1)
+        n1, T = self.n1, q.shape[0]
+        pages = pool.block_table[self.slot, : (n1 + P - 1) // P].long()
+        k, v = (pool.kv[layer][i, pages].transpose(0, 1).reshape(pool.H, -1, pool.d)[:, :n1] for i in range(2))
+        g = q.shape[1] // pool.H
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        qh = q.transpose(0, 1)
+        if self.n0 == 0:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.sm_scale)
+        else:
+            mask = torch.arange(n1, device=self.dev)[None] <= torch.arange(self.n0, n1, device=self.dev)[:, None]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.sm_scale)
+        return o.transpose(0, 1).reshape(T, -1, pool.d)
+
+    def _oscar(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool, s = self.pool, self.slot
+        assert isinstance(pool, OscarPool)
+        buf = pool.buf[:, layer, s]  # [2, H, C16, d]
+        meta = dict(block_table=pool.block_table[s: s + 1],
+                    qlen=torch.tensor([self.q0], dtype=torch.int32, device=self.dev),
+                    len16=torch.tensor([self.len16], dtype=torch.int32, device=self.dev))
+        if self.n0 == 0:  # nothing stored yet: plain causal attention in full precision
+            k, v = (x.transpose(0, 1).repeat_interleave(q.shape[1] // pool.H, 0) for x in kv)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=self.sm_scale)
+            out = out.transpose(0, 1)
+        else:
+            out = self._extend(q[None], kv[0][None], kv[1][None], pool.pages[0][layer], pool.pages[1][layer],
+                               meta["block_table"], meta["qlen"], buf[0][None], buf[1][None], meta["len16"],
+                               sm_scale=self.sm_scale)[0].to(q.dtype)
+        self._write_tiers(layer, kv)
+        return out
+
+    def _write_tiers(self, layer: int, kv: Tensor) -> None:
+        pool, cfg = self.pool, self.pool.cfg
+        S, P = cfg.sink, cfg.page_size
+        buf = pool.buf[:, layer, self.slot]  # [2, H, C16, d]
+        rows = kv.transpose(1, 2)  # [2, H, T, d]
+        t_sink = max(0, min(self.n1, S) - self.n0)
+        if t_sink:
+            buf[:, :, self.n0:self.n0 + t_sink] = rows[:, :, :t_sink]
+        r0 = self.len16 - min(self.n0, S)
+        recent = torch.cat([buf[:, :, S:S + r0], rows[:, :, t_sink:]], dim=2)
+        m = self.q1 - self.q0
+        if m:
+            x = recent[:, :, :m].reshape(2, pool.H, m // P, P, pool.d).transpose(1, 2)  # [2, np, H, P, d]
+            for which in range(2):
+                pool.quantize_into(x[which][None], which, self.pages, slice(layer, layer + 1))
+        keep = recent.shape[2] - m
+        buf[:, :, S:S + keep] = recent[:, :, m:]
+
+
+__all__ = ["DecodeCtx", "PrefillCtx"]

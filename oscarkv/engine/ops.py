@@ -1,0 +1,111 @@
+"""Small fused ops of the decoder (norms, QK preparation, SiLU-gating) and a paged 16-bit decode attention.
+
+Each op has a PyTorch implementation (CPU, and the specification) and a Triton kernel used on CUDA, so a
+CUDA-graph decode step launches about a dozen kernels per layer instead of fifty. ``use_triton(x)`` decides;
+tests compare both (``tests/engine/test_ops.py``, interpreter on CPU, and the GPU run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_FORCE_TORCH = False  # tests flip this to compare paths; never changes numerics of a given path
+
+
+def use_triton(x: Tensor) -> bool:
+    return x.is_cuda and not _FORCE_TORCH
+
+
+# ----------------------------------------------------------------------------------------- PyTorch
+def rmsnorm_torch(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale. x ``[..., D]``."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x ``[N, H, d]``, cos/sin ``[N, d]`` (rotate-half convention)."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
+
+
+def qk_prep_torch(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None,
+                  kn: Tensor | None, eps: float, r_k: Tensor | None, mu_k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Split fused QKV ``[N, (hq + 2 hkv) d]``, QK-norm (if weights given), RoPE, and with ``r_k``
+    ``[hkv, d, d]`` center keys by ``mu_k`` ``[hkv, d]`` and rotate queries and keys (float32 math).
+    Returns q ``[N, hq, d]`` and kv ``[2, N, hkv, d]`` in the input dtype."""
+    N = qkv.shape[0]
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q, k, v = q.view(N, hq, d), k.view(N, hkv, d), v.view(N, hkv, d)
+    if qn is not None:
+        q, k = rmsnorm_torch(q, qn, eps), rmsnorm_torch(k, kn, eps)
+    q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+    if r_k is not None:
+        k = torch.einsum("nhd,hde->nhe", k.float() - mu_k, r_k).to(qkv.dtype)
+        qg = q.float().view(N, hkv, hq // hkv, d)
+        q = torch.einsum("nhgd,hde->nhge", qg, r_k).reshape(N, hq, d).to(qkv.dtype)
+    return q, torch.stack((k, v))
+
+
+def paged_decode_torch(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_scale: float) -> Tensor:
+    """One query per sequence over 16-bit pages. q ``[B, Hq, d]``, kv ``[2, pages, Hkv, P, d]``, block_table
+    int32 ``[B, max_pages]``, lens ``[B]``. Returns ``[B, Hq, d]`` (zeros for empty sequences)."""
+    B, Hq, d = q.shape
+    P, Hkv = kv.shape[3], kv.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        pages = block_table[b, : (n + P - 1) // P].long()
+        k, v = (kv[i, pages].transpose(0, 1).reshape(Hkv, -1, d)[:, :n] for i in range(2))
+        g = Hq // Hkv
+        s = torch.einsum("hgd,hnd->hgn", q[b].float().view(Hkv, g, d), k.float()) * sm_scale
+        out[b] = torch.einsum("hgn,hnd->hgd", s.softmax(-1), v.float()).reshape(Hq, d).to(q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------- dispatchers
+def rmsnorm(x: Tensor, w: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(rmsnorm(x + residual), x + residual)``; with ``residual=None`` the second output is ``x``."""
+    if use_triton(x):
+        from . import triton_ops
+
+        return triton_ops.rmsnorm(x, w, eps, residual)
+    h = x if residual is None else x + residual
+    return rmsnorm_torch(h, w, eps), h
+
+
+def silu_mul(gu: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``gu = [gate | up]`` ``[N, 2I]``."""
+    if use_triton(gu):
+        from . import triton_ops
+
+        return triton_ops.silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def qk_prep(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None, kn: Tensor | None,
+            eps: float, r_k: Tensor | None = None, mu_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    if use_triton(qkv):
+        from . import triton_ops
+
+        return triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
+    return qk_prep_torch(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
+
+
+def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_scale: float,
+                 max_len: int | None = None) -> Tensor:
+    """Graph-safe on CUDA (fixed grid sized from ``max_len``); a per-sequence loop on CPU."""
+    if use_triton(q):
+        from . import triton_ops
+
+        return triton_ops.paged_decode(q, kv, block_table, lens, sm_scale, max_len)
+    return paged_decode_torch(q, kv, block_table, lens, sm_scale)
+
+
+__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "rmsnorm_torch", "rope_torch", "qk_prep_torch",
+           "paged_decode_torch"]
