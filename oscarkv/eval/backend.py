@@ -2,9 +2,9 @@
 
 The harness needs two things from a method, and nothing else:
 
-* ``simulate(model, method)``: a context manager under which ONE full forward pass gives, at every position, the
-  logits a token-by-token decode through the method's cache would give (teacher forcing: KLD, PPL, greedy
-  agreement, fidelity).
+* ``simulate(model, method, prompt_len=0)``: a context manager under which ONE full forward pass gives, at every
+  position, the logits a token-by-token decode through the method's cache would give (teacher forcing: KLD,
+  PPL, greedy agreement, fidelity); the first ``prompt_len`` tokens count as a prompt prefilled in one pass.
 * ``cache(model, method)``: a context manager yielding a factory of fresh cache objects to pass to the model as
   ``past_key_values`` (chunked prefill of a prompt, then greedy decode: NIAH and ``greedy --mode decode``).
 
@@ -23,7 +23,7 @@ from torch import Tensor
 class Backend(Protocol):
     """What the evaluation harness needs from a set of KV-cache methods."""
 
-    def simulate(self, model: Any, method: str) -> ContextManager[Any]: ...
+    def simulate(self, model: Any, method: str, prompt_len: int = 0) -> ContextManager[Any]: ...
 
     def cache(self, model: Any, method: str) -> ContextManager[Callable[[], Any]]: ...
 
@@ -31,32 +31,57 @@ class Backend(Protocol):
 
 
 class HFBackend:
-    """Methods of :mod:`oscarkv.methods` through :mod:`oscarkv.hf` with one calibration artifact.
+    """Methods of :mod:`oscarkv.methods` through :mod:`oscarkv.hf` with one calibration artifact, plus optional
+    extra calibrations addressed as ``method@label`` (e.g. ``oscar@head`` for a per-head calibration).
 
     ``calibration`` may be ``None`` for data-free methods only (bf16, naive-int2, quarot-int2, kivi-2,
     int4-hadamard); the adapter then passes an identity calibration.
     """
 
-    def __init__(self, calibration: Any = None):
+    def __init__(self, calibration: Any = None, extra: dict[str, Any] | None = None):
         self.calibration = calibration
+        self.extra = dict(extra or {})
+        self._tags: dict[int, str] = {}
 
-    def _calib(self, model: Any) -> Any:
-        if self.calibration is not None:
-            return self.calibration
-        from ..artifact import Calibration, ModelIdentity
+    def split(self, method: str) -> tuple[str, Any]:
+        """``(registry name, calibration)`` of ``method`` or ``method@label``."""
+        base, _, label = method.partition("@")
+        if not label:
+            return base, self.calibration
+        if label not in self.extra:
+            raise ValueError(f"method {method!r} names calibration {label!r}, but only {sorted(self.extra)} were "
+                             "given (--extra-calibration LABEL=DIR)")
+        return base, self.extra[label]
 
-        return Calibration.identity(ModelIdentity.from_config(model.config))
+    def calibration_tag(self, method: str) -> str:
+        from .session import calibration_tag
 
-    def simulate(self, model: Any, method: str) -> ContextManager[Any]:
+        calib = self.split(method)[1]
+        key = id(calib)
+        if key not in self._tags:
+            self._tags[key] = calibration_tag(calib)
+        return self._tags[key]
+
+    def _resolve(self, model: Any, method: str) -> tuple[str, Any]:
+        base, calib = self.split(method)
+        if calib is None:
+            from ..artifact import Calibration, ModelIdentity
+
+            calib = Calibration.identity(ModelIdentity.from_config(model.config))
+        return base, calib
+
+    def simulate(self, model: Any, method: str, prompt_len: int = 0) -> ContextManager[Any]:
         from .. import hf
 
-        return hf.simulate(model, self._calib(model), method)
+        base, calib = self._resolve(model, method)
+        return hf.simulate(model, calib, base, prompt_len=prompt_len)
 
     @contextlib.contextmanager
     def cache(self, model: Any, method: str) -> Iterator[Callable[[], Any]]:
         from .. import hf
 
-        handle = hf.apply(model, self._calib(model), method)
+        base, calib = self._resolve(model, method)
+        handle = hf.apply(model, calib, base)
         try:
             yield _cache_factory(handle)
         finally:
@@ -65,24 +90,15 @@ class HFBackend:
                 remove()
 
     def describe(self, model: Any, method: str) -> dict:
-        """Nominal bits per element and the method's spec where the registry provides them."""
+        """Nominal bits per element of the quantized tier (K and V averaged) and the method's description."""
         from .. import methods
 
-        out: dict = {"method": method}
-        try:
-            m = methods.get(method) if hasattr(methods, "get") else methods.METHODS[method]
-        except Exception as e:  # an unknown method is reported by simulate/cache with a clear message
-            out["error"] = str(e)
-            return out
-        for attr in ("bits_per_element", "nominal_bits"):
-            fn = getattr(m, attr, None)
-            if callable(fn):
-                try:
-                    out["bits_nominal"] = float(fn(model.config))
-                except Exception:
-                    pass
-                break
-        return out
+        base, calib = self.split(method)
+        m = methods.get(base)
+        spec = calib.spec if calib is not None else None
+        return {"method": method, "bits": float(m.bits_per_element(model.config, spec)),
+                "description": m.description, "calibration": self.calibration_tag(method),
+                "calibration_provenance": getattr(calib, "provenance", None)}
 
 
 def _cache_factory(handle: Any) -> Callable[[], Any]:

@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from .backend import decoder, final_hidden, output_head
 from .metrics import relative_error
@@ -75,7 +74,7 @@ def run_fidelity(s: Session, methods: list[str], length: int, n_windows: int, *,
             if f"w{i}" in s.store.done(path, run):
                 continue
             if ref_attn is None:
-                ref_attn, ref_h = _pass(s, ids, pos, None)
+                ref_attn, ref_h = _pass(s, ids, pos, s.reference)
             attn, h = _pass(s, ids, pos, m)
             with torch.inference_mode():
                 logit_err = relative_error(head(h), head(ref_h))
@@ -87,9 +86,8 @@ def run_fidelity(s: Session, methods: list[str], length: int, n_windows: int, *,
     return new
 
 
-def _pass(s: Session, ids: Tensor, pos: Tensor, method: str | None) -> tuple[list[Tensor], Tensor]:
-    ctx = s.backend.simulate(s.model, method) if method is not None else contextlib.nullcontext()
-    with ctx, capture_attention(s.model, pos) as attn:
+def _pass(s: Session, ids: Tensor, pos: Tensor, method: str) -> tuple[list[Tensor], Tensor]:
+    with s.simulate(method), capture_attention(s.model, pos) as attn:
         h = final_hidden(s.model, ids)
     if any(a is None for a in attn):
         raise RuntimeError("an attention module did not run its forward hooks; fidelity cannot be measured here")

@@ -7,8 +7,10 @@ The reference continuation is the unquantized model's greedy decode of ``new_tok
   followed by the reference continuation. While the method agrees with the reference its greedy prefix *is*
   the reference prefix, so its next greedy token is the argmax at that position: the first position where the
   argmax differs from the reference token is exactly the first divergence of the method's own greedy decode.
-* ``mode="decode"``: prefill the prompt through the method's cache in chunks and decode greedily, token by
+* ``mode="decode"``: prefill the prompt through the method's cache in one pass and decode greedily, token by
   token, then compare (slower; also exercises the real decode path).
+
+In both modes the prompt is prefilled in one pass (``simulate(..., prompt_len=T)`` models exactly that).
 
 Recorded per prompt: ``first_div`` (index of the first differing token, ``new_tokens`` if none), ``exact`` (1 if
 all tokens agree) and ``agree`` (= first_div / new_tokens).
@@ -25,36 +27,30 @@ from .session import Session
 from .store import read_jsonl
 
 TASK = "greedy"
-REF = "bf16"
-
-
-def _reference_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
 
 
 def run_greedy(
     s: Session, methods: list[str], length: int, n_prompts: int, *, new_tokens: int = 32, mode: str = "teacher",
-    chunk: int = 256,
 ) -> list[dict]:
     """Greedy agreement of ``methods`` with the reference on ``n_prompts`` prompts of ``length`` tokens."""
     if mode not in ("teacher", "decode"):
         raise ValueError(f"greedy mode must be 'teacher' or 'decode', got {mode!r}")
     prompts = s.windows(length, n_prompts)
     protocol = {"new_tokens": new_tokens, "mode": mode}
+    REF = s.reference
     ref_run = s.run_id(TASK + "-ref", REF, length, new_tokens=new_tokens)
     ref_path = s.store.path(s.model_name, s.text.name, REF, TASK + "-ref", length)
     refs = {r["key"]: r["tokens"] for r in _records(s, ref_path, ref_run)}
     new = []
-    for i, p in enumerate(tqdm(prompts, desc=f"{s.model_name} greedy-ref@{length}", disable=not s.progress)):
-        if f"p{i}" in refs:
-            continue
-        toks = greedy_generate(s.model, p, _reference_cache(s.model), new_tokens, chunk=chunk)
-        rec = s.base_record(TASK + "-ref", REF, length, ref_run, f"p{i}")
-        rec.update(prompt=i, tokens=toks)
-        s.store.append(ref_path, rec)
-        refs[f"p{i}"] = toks
+    todo = [i for i in range(len(prompts)) if f"p{i}" not in refs]
+    if todo:
+        with s.cache(REF) as new_cache:
+            for i in tqdm(todo, desc=f"{s.model_name} greedy-ref@{length}", disable=not s.progress):
+                toks = greedy_generate(s.model, prompts[i], new_cache(), new_tokens, chunk=length)
+                rec = s.base_record(TASK + "-ref", REF, length, ref_run, f"p{i}")
+                rec.update(prompt=i, tokens=toks)
+                s.store.append(ref_path, rec)
+                refs[f"p{i}"] = toks
     head = output_head(s.model)
     for m in methods:
         run = s.run_id(TASK, m, length, **protocol)
@@ -63,7 +59,7 @@ def run_greedy(
         todo = [i for i in range(len(prompts)) if f"p{i}" not in done]
         for i in tqdm(todo, desc=f"{s.model_name} greedy@{length} {m}", disable=not s.progress):
             ref = refs[f"p{i}"]
-            got = _method_tokens(s, m, prompts[i], ref, head, mode, chunk)
+            got = _method_tokens(s, m, prompts[i], ref, head, mode)
             div = first_divergence(ref, got)
             rec = s.base_record(TASK, m, length, run, f"p{i}")
             rec.update(prompt=i, new_tokens=len(ref), first_div=div, exact=int(div == len(ref)),
@@ -73,14 +69,14 @@ def run_greedy(
     return new
 
 
-def _method_tokens(s: Session, method: str, prompt, ref: list[int], head, mode: str, chunk: int) -> list[int]:
-    if mode == "decode":
-        with s.backend.cache(s.model, method) as new_cache:
-            return greedy_generate(s.model, prompt, new_cache(), len(ref), chunk=chunk)
-    ids = torch.cat([prompt, torch.tensor(ref[:-1], dtype=torch.long)])
-    with s.backend.simulate(s.model, method):
-        h = final_hidden(s.model, ids)
+def _method_tokens(s: Session, method: str, prompt, ref: list[int], head, mode: str) -> list[int]:
     T = prompt.numel()
+    if mode == "decode":
+        with s.cache(method) as new_cache:
+            return greedy_generate(s.model, prompt, new_cache(), len(ref), chunk=T)
+    ids = torch.cat([prompt, torch.tensor(ref[:-1], dtype=torch.long)])
+    with s.simulate(method, prompt_len=T):
+        h = final_hidden(s.model, ids)
     return head(h[T - 1 :]).argmax(-1).tolist()
 
 

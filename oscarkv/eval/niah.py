@@ -197,7 +197,7 @@ def run_niah(
             todo = [u for u in units if _key(*u) not in done]
             if not todo:
                 continue
-            with s.backend.cache(s.model, m) as new_cache:
+            with s.cache(m) as new_cache:
                 for v, d, k in tqdm(todo, desc=f"{s.model_name} niah@{length} {m}", disable=not s.progress):
                     smp = gen.sample(v, length, d, k)
                     n_ans = len(s.tokenizer(" " + smp.answer, add_special_tokens=False)["input_ids"])

@@ -59,8 +59,7 @@ def evaluate(s: Session, plan: Plan, *, report: bool = True) -> dict:
     if "greedy" in plan.tasks:
         for c in plan.contexts:
             counts[f"greedy@{c}"] = len(run_greedy(s, plan.methods, c, plan.greedy_prompts,
-                                                   new_tokens=plan.greedy_tokens, mode=plan.greedy_mode,
-                                                   chunk=plan.prefill_chunk))
+                                                   new_tokens=plan.greedy_tokens, mode=plan.greedy_mode))
     if "fidelity" in plan.tasks:
         for c in plan.contexts:
             counts[f"fidelity@{c}"] = len(run_fidelity(s, plan.methods, c, plan.windows,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -15,6 +16,9 @@ from torch import Tensor
 from .backend import Backend, final_hidden
 from .store import ResultStore, fingerprint, safe_name
 from .texts import EvalText, bos_id, tokenize, windows
+
+
+FP32 = "fp32"
 
 
 def calibration_tag(calibration: Any) -> str:
@@ -32,8 +36,10 @@ def calibration_tag(calibration: Any) -> str:
 @dataclass
 class Session:
     """Everything the task runners share. ``score_from``: first scored position of teacher-forced metrics
-    (``sink + window`` of the calibration's spec unless given). ``ref_dir``: where reference (unquantized)
-    final hidden states are cached across runs (None: recompute every time)."""
+    (``sink + window`` of the calibration's spec unless given). ``reference``: the method every other one is
+    compared with ("bf16": K/V held in the 16-bit cache; "fp32": the unmodified model, a pseudo-method that
+    bypasses the backend). ``ref_dir``: where reference final hidden states are cached across runs (None:
+    recompute every time)."""
 
     model: Any
     tokenizer: Any
@@ -43,6 +49,7 @@ class Session:
     text: EvalText
     calibration: Any = None
     score_from: int = 320
+    reference: str = "bf16"
     ref_dir: Path | None = None
     progress: bool = True
     log: Any = print
@@ -65,32 +72,64 @@ class Session:
             self._calib_tag = calibration_tag(self.calibration)
         return self._calib_tag
 
+    def method_calibration(self, method: str) -> str:
+        """Tag of the calibration ``method`` runs with ("-" for the unquantized reference)."""
+        if method in ("bf16", FP32):
+            return "-"
+        tag = getattr(self.backend, "calibration_tag", None)
+        return tag(method) if callable(tag) else self.calib_tag
+
     # ------------------------------------------------------------------------------------ bookkeeping
     def run_id(self, task: str, method: str, length: int | str, **protocol: Any) -> str:
         """Fingerprint of everything that determines a unit's result (not the code version)."""
         return fingerprint({
-            "task": task, "method": method, "context": length, "model": self.model_name,
-            "text": self.text.sha256, "calibration": self.calib_tag if method != "bf16" else "-", **protocol,
+            "task": task, "method": method, "reference": self.reference, "context": length, "model": self.model_name,
+            "text": self.text.sha256, "calibration": self.method_calibration(method), **protocol,
         })
 
     def base_record(self, task: str, method: str, length: int | str, run: str, key: str) -> dict:
         return {
             "key": key, "run": run, "task": task, "method": method, "context": length, "model": self.model_name,
-            "data": self.text.name, "calibration": self.calib_tag, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "data": self.text.name, "calibration": self.method_calibration(method), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+
+    # ------------------------------------------------------------------------------------ methods
+    def simulate(self, method: str, **kwargs: Any) -> Any:
+        """Context for one teacher-forced pass under ``method`` (``fp32``: the unmodified model)."""
+        if method == FP32:
+            return contextlib.nullcontext()
+        return self.backend.simulate(self.model, method, **kwargs)
+
+    @contextlib.contextmanager
+    def cache(self, method: str) -> Iterator[Callable[[], Any]]:
+        """Context yielding a factory of fresh caches for ``method`` (``fp32``: transformers' DynamicCache)."""
+        if method == FP32:
+            from transformers import DynamicCache
+
+            yield lambda: DynamicCache(config=self.model.config)
+            return
+        with self.backend.cache(self.model, method) as factory:
+            yield factory
+
+    def describe(self, method: str) -> dict:
+        if method == FP32:
+            return {"method": FP32, "bits": 32.0, "description": "unmodified model, K/V in float32"}
+        return self.backend.describe(self.model, method)
 
     # ------------------------------------------------------------------------------------ reference
     def reference_hidden(self, ids: Tensor, label: str) -> Tensor:
-        """Final hidden states ``[T, D]`` of the unquantized model on ``ids``, cached on disk under ``ref_dir``
-        (keyed by the model name and a hash of the tokens)."""
+        """Final hidden states ``[T, D]`` of the reference method on ``ids``, cached on disk under ``ref_dir``
+        (keyed by the model name, the reference and a hash of the tokens)."""
         digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
         path = None
         if self.ref_dir is not None:
-            path = Path(self.ref_dir) / safe_name(self.model_name) / f"{safe_name(label)}_{digest}.pt"
+            name = f"{safe_name(label)}_{safe_name(self.reference)}_{digest}.pt"
+            path = Path(self.ref_dir) / safe_name(self.model_name) / name
             if path.is_file():
                 h = torch.load(path, map_location="cpu", weights_only=True)
                 return h.to(next(self.model.parameters()).device)
-        h = final_hidden(self.model, ids)
+        with self.simulate(self.reference):
+            h = final_hidden(self.model, ids)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -99,4 +138,4 @@ class Session:
         return h
 
 
-__all__ = ["Session", "calibration_tag"]
+__all__ = ["Session", "calibration_tag", "FP32"]

@@ -60,7 +60,7 @@ class FakeQuantBackend:
         self.cache_calls = 0
 
     @contextlib.contextmanager
-    def simulate(self, model, method):
+    def simulate(self, model, method, prompt_len=0):
         bits = self.BITS[method]
         handles = []
         if bits is not None:
@@ -137,7 +137,7 @@ class CopyBackend:
         keep = self.KEEP[method]
         yield lambda: CopyCache(keep)
 
-    def simulate(self, model, method):
+    def simulate(self, model, method, prompt_len=0):
         raise NotImplementedError
 
     def describe(self, model, method):

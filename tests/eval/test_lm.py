@@ -19,6 +19,14 @@ def test_identical_cache_gives_zero_kld_and_quantized_does_not(tiny_session):
     assert (s.ref_dir / "tiny").is_dir() and len(list((s.ref_dir / "tiny").iterdir())) == 2
 
 
+def test_identical_cache_through_a_second_pass_gives_exactly_zero(tiny_session):
+    s = tiny_session()
+    s.reference = "fp32"  # the unmodified model; the stand-in's "bf16" stores K/V unchanged
+    recs = {r["method"]: r for r in run_lm(s, ["bf16", "q2"], 64, 1)}
+    assert recs["bf16"]["kld"] == 0.0 and recs["bf16"]["top1"] == 1.0 and recs["bf16"]["logit_rel_err"] == 0.0
+    assert recs["q2"]["kld"] > 0.0
+
+
 def test_rerun_skips_finished_units(tiny_session):
     s = tiny_session()
     first = run_lm(s, ["bf16", "q2"], 48, 2)
@@ -47,8 +55,8 @@ def test_teacher_forced_pass_matches_decode_through_cache(tiny_session):
 
 def test_greedy_teacher_mode_equals_decode_mode(tiny_session):
     s = tiny_session()
-    teacher = run_greedy(s, ["bf16", "q2"], 40, 3, new_tokens=12, mode="teacher", chunk=16)
-    decode = run_greedy(s, ["bf16", "q2"], 40, 3, new_tokens=12, mode="decode", chunk=16)
+    teacher = run_greedy(s, ["bf16", "q2"], 40, 3, new_tokens=12, mode="teacher")
+    decode = run_greedy(s, ["bf16", "q2"], 40, 3, new_tokens=12, mode="decode")
     key = lambda r: (r["method"], r["prompt"])  # noqa: E731
     t = {key(r): r["first_div"] for r in teacher}
     d = {key(r): r["first_div"] for r in decode}
