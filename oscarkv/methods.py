@@ -1,0 +1,237 @@
+"""The method registry: every KV-cache method of the project by name, with what it stores and how.
+
+All methods, OSCAR and the baselines of method section 6, run through one code path (:mod:`oscarkv.cache`,
+:mod:`oscarkv.hf`); a method only decides the rotation, the clip ratios, the centering means, the code width,
+the key layout and the three tiers (16-bit sink, 2-bit middle, 16-bit recent window).
+
+==================== ======================================================================= ==================
+name                 what is stored                                                           bits / element (*)
+==================== ======================================================================= ==================
+bf16                 everything in the 16-bit buffer (no quantization)                        16
+oscar                calibrated R = U.H.P (layer or head, from the calibration), calibrated   2 + 32/G (2.5 at
+                     clip, sink + recent window in 16-bit (spec: 64 + 256, pages of 64)       d=64, 2.25 at 128)
+oscar-nowindow       oscar without windows: every token quantized on write                    2 + 32/G
+oscar-hadamard       Hadamard instead of the calibrated rotation, windows, fixed clip          2 + 32/G
+                     K 0.96 / V 0.92
+oscar-noclip         oscar without clipping                                                   2 + 32/G
+oscar-gram           oscar; requires a calibration with target "gram" (K^T K / V^T V)          2 + 32/G
+naive-int2           per-(token, head) INT2, no rotation, no clip, no windows                 2 + 32/d
+quarot-int2          Hadamard + per-token INT2, no clip, no windows                           2 + 32/d
+kivi-2               keys per channel in groups of 32 tokens, values per token, no clip,      K 3, V 2 + 32/d
+                     16-bit residual of the 128..159 most recent tokens, no sink              (2.75 at d=64)
+int4-hadamard        Hadamard + per-token INT4, no clip, no windows                           4 + 32/d
+==================== ======================================================================= ==================
+
+(*) nominal, of the quantized tier, with 16-bit scale and offset; the 16-bit tiers come on top. Physical bytes
+come from :meth:`oscarkv.hf.OscarCache.nbytes`.
+
+Every name also exists with the suffix ``-nocenter`` (no mean subtraction; centering is on by default as
+method section 2.8 says). The oscar family takes bits, group size, metadata dtype, sink, window and page size
+from the calibration's :class:`~oscarkv.config.QuantSpec`; the baselines use their published settings.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .artifact import Calibration
+from .config import DEFAULT_K_CLIP, DEFAULT_V_CLIP, ConfigError
+from .rotation import hadamard
+
+NOCENTER = "-nocenter"
+KIVI_GROUP = 32  # tokens per per-channel key group (KIVI)
+KIVI_RESIDUAL = 128  # KIVI's full-precision residual
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a named method stores.
+
+    Attributes:
+        name: registry name (with ``-nocenter`` where centering is off).
+        quantized: False for the 16-bit reference.
+        bits: code width of the quantized tier; ``None`` takes the calibration spec's.
+        rotation: "calibrated" (the calibration's R_K / R_V), "hadamard" (data-free) or "none".
+        clip: "calibrated" (per-layer ratios of the calibration), "fixed" (K 0.96 / V 0.92) or "none".
+        windows: "calibrated" (spec sink / window, demotion by pages), "none" (every token quantized on write)
+            or "kivi" (no sink, 128-token residual, demotion by groups of 32).
+        key_layout: "token" (one row per token and head) or "channel" (KIVI keys).
+        centering: subtract the calibrated per-head means before quantizing.
+        target: the calibration target the method requires, or ``None`` for any.
+        description: one line for listings.
+    """
+
+    name: str
+    description: str
+    quantized: bool = True
+    bits: int | None = 2
+    rotation: str = "none"
+    clip: str = "none"
+    windows: str = "none"
+    key_layout: str = "token"
+    centering: bool = True
+    target: str | None = None
+
+    def bits_per_element(self, config_or_head_dim, spec=None) -> float:
+        """Nominal bits per element of the quantized tier (K and V averaged; 16-bit tiers excluded).
+
+        ``config_or_head_dim``: a transformers config or the head dimension. ``spec``: the calibration's
+        QuantSpec for the oscar family (defaults to a default QuantSpec)."""
+        d = _head_dim(config_or_head_dim)
+        if not self.quantized:
+            return 16.0
+        if self.bits is None:
+            from .config import QuantSpec
+
+            spec = spec or QuantSpec()
+            return spec.bits_per_element(d)
+        token = self.bits + 32 / d
+        if self.key_layout == "channel":
+            return ((self.bits + 32 / KIVI_GROUP) + token) / 2
+        return token
+
+
+def _head_dim(config_or_head_dim) -> int:
+    if isinstance(config_or_head_dim, int):
+        return config_or_head_dim
+    cfg = getattr(config_or_head_dim, "text_config", None) or config_or_head_dim
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+_OSCAR = dict(bits=None, rotation="calibrated", clip="calibrated", windows="calibrated")
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("bf16", "no quantization: K/V in the 16-bit buffer", quantized=False, bits=None, centering=False),
+        Method("oscar", "calibrated rotation, clip, 16-bit sink + recent window", **_OSCAR),
+        Method("oscar-nowindow", "oscar without 16-bit windows", **{**_OSCAR, "windows": "none"}),
+        Method("oscar-hadamard", "Hadamard instead of U, windows, fixed clip", **{**_OSCAR, "rotation": "hadamard",
+                                                                                  "clip": "fixed"}),
+        Method("oscar-noclip", "oscar without clipping", **{**_OSCAR, "clip": "none"}),
+        Method("oscar-gram", "oscar with K^T K / V^T V targets (gram calibration)", **_OSCAR, target="gram"),
+        Method("naive-int2", "per-token INT2, no rotation, no clip, no windows"),
+        Method("quarot-int2", "Hadamard + per-token INT2, no clip, no windows", rotation="hadamard"),
+        Method("kivi-2", "KIVI: per-channel keys (32-token groups), per-token values, 128-token residual",
+               windows="kivi", key_layout="channel"),
+        Method("int4-hadamard", "Hadamard + per-token INT4, no clip, no windows", bits=4, rotation="hadamard"),
+    )
+}
+
+
+def names() -> list[str]:
+    """Every valid method name, including the ``-nocenter`` variants."""
+    return [n for base in METHODS for n in (base, base + NOCENTER)]
+
+
+def get(name: str) -> Method:
+    """The method called ``name`` (``-nocenter`` suffix allowed); raises ``ConfigError`` listing valid names."""
+    if isinstance(name, Method):
+        return name
+    base, centering = (name[: -len(NOCENTER)], False) if name.endswith(NOCENTER) else (name, True)
+    if base not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; valid methods: {names()}")
+    m = METHODS[base]
+    return replace(m, name=name, centering=centering and m.centering)
+
+
+# ----------------------------------------------------------------------------------------------- recipes
+@dataclass(frozen=True)
+class LayerRecipe:
+    """Per-layer tensors (float32, CPU) of a method: rotations ``[Hkv, d, d]`` or ``None`` (identity), means
+    ``[Hkv, d]`` or ``None`` (no centering), clip ratios (0 = off)."""
+
+    r_k: Tensor | None
+    r_v: Tensor | None
+    mu_k: Tensor | None
+    mu_v: Tensor | None
+    k_clip: float
+    v_clip: float
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the cache needs to store a model's K/V under one method."""
+
+    method: Method
+    quantized: bool
+    bits: int
+    group_size: int | None
+    meta_dtype: str
+    sink: int
+    window: int
+    unit: int  # demotion granularity in tokens (whole pages, KIVI groups, or 1 = quantize on write)
+    page_size: int
+    key_layout: str
+    layers: tuple[LayerRecipe, ...]
+
+
+def resolve(method: str | Method, calibration: Calibration) -> Recipe:
+    """Turn a method name and a calibration into per-layer tensors and tier sizes.
+
+    Raises ``ConfigError`` for an unknown name or a calibration the method cannot use."""
+    m = get(method) if isinstance(method, str) else method
+    spec = calibration.spec
+    if m.target is not None and spec.target != m.target:
+        raise ConfigError(
+            f"method {m.name!r} needs a calibration with target {m.target!r}, this one has {spec.target!r}; "
+            f"run `oscarkv calibrate` with target: {m.target}"
+        )
+    if m.quantized and m.bits is None and spec.quantizer != "uniform":
+        raise ConfigError(f"the cache implements the uniform quantizer only; calibration has {spec.quantizer!r}")
+    if m.centering and m.quantized and _zero_means(calibration):
+        warnings.warn(
+            f"method {m.name!r} centers K/V but the calibration's means are all zero (identity calibration?): "
+            "the result equals the -nocenter variant", stacklevel=2)
+    d = calibration.model.head_dim
+    layers = tuple(_layer_recipe(m, calibration, i, d) for i in range(calibration.model.num_layers))
+    oscar = m.bits is None
+    sink, window, unit = _tiers(m, spec)
+    return Recipe(
+        method=m, quantized=m.quantized, bits=spec.bits if oscar else m.bits,
+        group_size=spec.group_size if oscar else None, meta_dtype=spec.meta_dtype if oscar else "float16",
+        sink=sink, window=window, unit=unit, page_size=spec.page_size if oscar else 64,
+        key_layout=m.key_layout, layers=layers,
+    )
+
+
+def _tiers(m: Method, spec) -> tuple[int, int, int]:
+    if not m.quantized or m.windows == "none":
+        return 0, 0, 1
+    if m.windows == "kivi":
+        return 0, KIVI_RESIDUAL, KIVI_GROUP
+    return spec.sink, spec.window, spec.page_size
+
+
+def _zero_means(c: Calibration) -> bool:
+    return not (bool(c.mu_k.abs().sum() > 0) or bool(c.mu_v.abs().sum() > 0))
+
+
+def _layer_recipe(m: Method, c: Calibration, i: int, d: int) -> LayerRecipe:
+    t = c.layer(i)
+    H = c.model.num_kv_heads
+    if not m.quantized:
+        return LayerRecipe(None, None, None, None, 0.0, 0.0)
+    if m.rotation == "calibrated":
+        r_k, r_v = t["r_k"].float().clone(), t["r_v"].float().clone()
+    elif m.rotation == "hadamard":
+        h = hadamard(d).expand(H, d, d).clone()
+        r_k, r_v = h, h.clone()
+    else:
+        r_k = r_v = None
+    if m.clip == "calibrated":
+        k_clip, v_clip = t["k_clip"], t["v_clip"]
+    elif m.clip == "fixed":
+        k_clip, v_clip = DEFAULT_K_CLIP, DEFAULT_V_CLIP
+    else:
+        k_clip = v_clip = 0.0
+    mu_k = t["mu_k"].float().clone() if m.centering else None
+    mu_v = t["mu_v"].float().clone() if m.centering else None
+    return LayerRecipe(r_k, r_v, mu_k, mu_v, float(k_clip), float(v_clip))
+
+
+__all__ = ["Method", "METHODS", "Recipe", "LayerRecipe", "get", "names", "resolve", "KIVI_GROUP"]
