@@ -52,6 +52,10 @@ class ResultStore:
             f.flush()
             os.fsync(f.fileno())
 
+    def records_for(self, model: str, data: str, method: str, task: str, context: int | str) -> list[dict]:
+        """Records of one file (latest fingerprint)."""
+        return latest_run(read_jsonl(self.path(model, data, method, task, context)))
+
     def records(self) -> Iterator[dict]:
         """Every record under the root (latest fingerprint per file wins; see :func:`latest_run`)."""
         for p in sorted(self.root.rglob("*.jsonl")):

@@ -18,3 +18,12 @@ def test_store_resume_and_fingerprint(tmp_path):
 def test_latest_run_keeps_last_fingerprint_and_dedups():
     recs = [{"key": "a", "run": "1", "v": 0}, {"key": "a", "run": "2", "v": 1}, {"key": "a", "run": "2", "v": 2}]
     assert latest_run(recs) == [{"key": "a", "run": "2", "v": 2}]
+
+
+def test_recommend_calib_tokens_and_shift():
+    from oscarkv.eval.studies import recommend
+
+    text = recommend("calib-tokens", {500: 0.2, 2000: 0.105, 8000: 0.1, 32000: 0.099})
+    assert "at least 2000 tokens" in text
+    text = recommend("shift", {"shakespeare": 0.1, "kjv": 0.3})
+    assert "on shakespeare" in text and "3.00x" in text
