@@ -47,11 +47,12 @@ class DecodeCtx(_Ctx):
         self.tokens = torch.zeros(bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(bs, dtype=torch.long, device=dev)
         self.widx = torch.zeros(bs, dtype=torch.long, device=dev)  # bf16: page*P+row; oscar: 16-bit index
-        self.lens = torch.zeros(bs, dtype=torch.int32, device=dev)  # bf16: tokens; oscar: 16-bit tokens
+        self.lens = torch.zeros(bs, dtype=torch.int32, device=dev)  # bf16: tokens; oscar: 16-bit tokens (with new)
         self.qlen = torch.zeros(bs, dtype=torch.int32, device=dev)
         self.rows = torch.arange(bs, device=dev)
         self.block_table = pool.block_table[:bs]
         self._decode = _kernel_op("decode_attention") if self.oscar else None
+        self._extend = _kernel_op("extend_attention") if self.oscar else None
 
     def fill(self, tokens: list[int], positions: list[int], widx: list[int], lens: list[int],
              qlen: list[int]) -> None:
@@ -72,8 +73,13 @@ class DecodeCtx(_Ctx):
             return ops.paged_decode(q, pool.kv[layer], self.block_table, self.lens, self.sm_scale, pool.max_len)
         assert isinstance(pool, OscarPool)
         buf = pool.buf[:, layer]
-        buf[:, self.rows, :, self.widx] = kv.transpose(0, 1)
         kp, vp = pool.pages[0][layer], pool.pages[1][layer]
+        if not ops.use_triton(q):  # reference: the new token attends to itself unrounded (as the hf cache does)
+            out = self._extend(q[:, None], kv[0][:, None], kv[1][:, None], kp, vp, self.block_table, self.qlen,
+                               buf[0, : self.bs], buf[1, : self.bs], self.lens - 1, sm_scale=self.sm_scale)[:, 0]
+            buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
+            return out.to(q.dtype)
+        buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
         out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
                            sm_scale=self.sm_scale)
         return out.to(q.dtype)
@@ -140,7 +146,7 @@ class PrefillCtx(_Ctx):
         pool, cfg = self.pool, self.pool.cfg
         S, P = cfg.sink, cfg.page_size
         buf = pool.buf[:, layer, self.slot]  # [2, H, C16, d]
-        rows = kv.transpose(1, 2)  # [2, H, T, d]
+        rows = kv.transpose(1, 2).to(buf.dtype)  # [2, H, T, d], rounded to the 16-bit dtype as stored
         t_sink = max(0, min(self.n1, S) - self.n0)
         if t_sink:
             buf[:, :, self.n0:self.n0 + t_sink] = rows[:, :, :t_sink]

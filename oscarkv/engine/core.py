@@ -226,8 +226,6 @@ class Engine:
         ready = [s for s in ready if s.slot >= 0]
         if not ready:
             return
-        if isinstance(pool, OscarPool):
-            self._demote(ready)
         bs = next(s for s in self.graph_sizes if s >= len(self.running))
         ctx = self._ctx(bs)
         rows = self._rows(ready, bs)
@@ -236,6 +234,8 @@ class Engine:
         for seq in ready:
             pool.lens[seq.slot] = seq.n_cached + 1
             seq.n_cached += 1
+        if isinstance(pool, OscarPool):
+            self._demote(ready)
         toks = sample(logits[[s.slot for s in ready]], [s.params for s in ready], [s.generator for s in ready])
         for seq, tok in zip(ready, toks):
             self._append(seq, tok, done)
@@ -245,7 +245,7 @@ class Engine:
         P = pool.cfg.page_size
         slots, pages = [], []
         for seq in ready:
-            q0, q1 = pool.qlens[seq.slot], pool.cfg.qlen(seq.n_cached + 1)
+            q0, q1 = pool.qlens[seq.slot], pool.cfg.qlen(seq.n_cached)
             if q1 > q0:
                 slots.append(seq.slot)
                 pages.append(seq.pages[q0 // P: q1 // P])

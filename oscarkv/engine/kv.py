@@ -8,7 +8,8 @@ tables point at page 0, a scratch page that is never handed out, so they can nev
 Tier rule (OSCAR): the state of a sequence of ``n`` tokens is a function of ``n`` alone
 (:func:`quantized_len`): the first ``S`` tokens are the sink, the ``quantized_len(n)`` tokens after them are
 2-bit (whole pages, in order), the rest is the recent window. Attention at any step sees the state after the
-step's tokens are appended (demotion happens before attention).
+step's tokens are appended, and a step's demotion happens after its attention: a chunk (or a decode
+token) attends to the prefix as stored plus itself in full precision, as in :mod:`oscarkv.hf`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ..quant import quantize
 
 def quantized_len(n: int, sink: int, window: int, page: int) -> int:
     """Tokens in the 2-bit tier of a sequence of ``n`` tokens: whole pages, demoted once the recent window
-    (tokens after the sink and the 2-bit tier) reaches ``window + page``."""
+    (tokens after the sink and the 2-bit tier) reaches ``window + page``. Same rule as
+    :class:`oscarkv.cache.TierPolicy` (``tests/engine`` checks that they agree)."""
     return page * max(0, (n - sink - window) // page)
 
 
@@ -50,10 +52,11 @@ class CacheConfig:
 
     @property
     def c16(self) -> int:
-        """16-bit slots per sequence: sink + the largest recent window the tier rule ever holds."""
+        """16-bit slots per sequence: sink + the largest recent window held (a step's token is appended before
+        the step's demotion)."""
         if self.kind == "bf16":
             return 0
-        return max(n - self.qlen(n) for n in range(self.sink + self.window + 3 * self.page_size))
+        return max(n - self.qlen(n - 1) for n in range(1, self.sink + self.window + 3 * self.page_size))
 
     def qlen(self, n: int) -> int:
         return quantized_len(n, self.sink, self.window, self.page_size) if self.kind == "oscar" else 0

@@ -77,13 +77,16 @@ class LLM:
         kv: "oscar" or "bf16".
         kv_budget_gb: bytes of the KV pool (all layers; 16-bit windows included), in GiB.
         max_num_seqs: concurrent sequences (slots); max_model_len: longest sequence (default: the model's).
+        window_dtype: dtype of OSCAR's 16-bit tiers (default: the model's if 16-bit, else bfloat16, as in
+            :mod:`oscarkv.hf`). The "bf16" cache stores the model's dtype (float32 models on CPU keep float32,
+            so outputs equal transformers' exactly).
     """
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None, kv: str = "oscar",
                  kv_budget_gb: float = 1.0, *, tokenizer: Any = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, prefill_chunk: int = 2048, dtype: torch.dtype | None = None,
                  device: str | None = None, cuda_graphs: bool = True, monitor_every: int = 4,
-                 eos_token_ids: Seq[int] | None = None):
+                 eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None):
         if kv not in ("oscar", "bf16"):
             raise ValueError(f"kv must be 'oscar' or 'bf16', got {kv!r}")
         net, tok, eos = _load_model(model, dtype, device)
@@ -108,9 +111,12 @@ class LLM:
             self.calibration = calib
         else:
             cache, self.calibration = CacheConfig("bf16", page_size=64), None
+        pool_dtype = p.dtype
+        if kv == "oscar":
+            pool_dtype = window_dtype or (p.dtype if p.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16)
         self.pool: KVPool = make_pool(cache, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                       head_dim=cfg.head_dim, budget_bytes=int(kv_budget_gb * 2**30),
-                                      max_slots=max_num_seqs, max_len=max_len, dtype=p.dtype, device=p.device,
+                                      max_slots=max_num_seqs, max_len=max_len, dtype=pool_dtype, device=p.device,
                                       calib=calib_tensors)
         if isinstance(self.pool, OscarPool) and monitor_every > 0:
             self.monitor = self.pool.monitor = QuantMonitor(cfg.num_layers, monitor_every)

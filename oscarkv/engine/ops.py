@@ -34,7 +34,8 @@ def rope_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def qk_prep_torch(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None,
                   kn: Tensor | None, eps: float, r_k: Tensor | None, mu_k: Tensor | None) -> tuple[Tensor, Tensor]:
     """Split fused QKV ``[N, (hq + 2 hkv) d]``, QK-norm (if weights given), RoPE, and with ``r_k``
-    ``[hkv, d, d]`` center keys by ``mu_k`` ``[hkv, d]`` and rotate queries and keys (float32 math).
+    ``[hkv, d, d]`` center keys by ``mu_k`` ``[hkv, d]`` and rotate queries and keys (float64 math here,
+    float32 in the kernel).
     Returns q ``[N, hq, d]`` and kv ``[2, N, hkv, d]`` in the input dtype."""
     N = qkv.shape[0]
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
@@ -42,10 +43,11 @@ def qk_prep_torch(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tens
     if qn is not None:
         q, k = rmsnorm_torch(q, qn, eps), rmsnorm_torch(k, kn, eps)
     q, k = rope_torch(q, cos, sin), rope_torch(k, cos, sin)
-    if r_k is not None:
-        k = torch.einsum("nhd,hde->nhe", k.float() - mu_k, r_k).to(qkv.dtype)
-        qg = q.float().view(N, hkv, hq // hkv, d)
-        q = torch.einsum("nhgd,hde->nhge", qg, r_k).reshape(N, hq, d).to(qkv.dtype)
+    if r_k is not None:  # float64 like oscarkv.hf, so both produce the same stored rows
+        r = r_k.double()
+        k = torch.einsum("nhd,hde->nhe", k.double() - mu_k.double(), r).float().to(qkv.dtype)
+        qg = q.double().view(N, hkv, hq // hkv, d)
+        q = torch.einsum("nhgd,hde->nhge", qg, r).reshape(N, hq, d).float().to(qkv.dtype)
     return q, torch.stack((k, v))
 
 
