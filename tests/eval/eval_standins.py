@@ -38,7 +38,7 @@ class WordTokenizer:
         return {"input_ids": [self._id(w) for w in _WORD.findall(text)]}
 
     def decode(self, ids, skip_special_tokens=True):
-        return " ".join(self.words[i] for i in ids)
+        return " ".join(self.words[i] if i < len(self.words) else f"<{i}>" for i in ids)
 
 
 def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0):
