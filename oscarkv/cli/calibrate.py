@@ -1,0 +1,82 @@
+"""``oscarkv calibrate``: calibrate rotations, means and clip ratios and write an artifact folder.
+
+With no arguments it runs the embedded default: SmolLM2-135M on the calibration split of the bundled
+Shakespeare, 4096 tokens, written to ``./oscar-smollm2-135m``, and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DATA = "shakespeare"
+DEFAULT_TOKENS = 4096
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b | HF folder | .gguf file "
+                             f"(default {DEFAULT_MODEL})")
+    parser.add_argument("--data", default=DEFAULT_DATA,
+                        help="shakespeare | kjv | essays (calibration split) or a .txt/.jsonl file "
+                             f"(default {DEFAULT_DATA})")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"token budget (default {DEFAULT_TOKENS})")
+    parser.add_argument("--out", help="artifact folder (default ./oscar-<model>)")
+    parser.add_argument("--config", help="QuantSpec file (.yaml/.yml/.json); unknown keys are errors")
+    parser.add_argument("--seed", type=int, default=0, help="chunk sampling seed (default 0)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration chunk (default 1024)")
+    parser.add_argument("--holdout", type=float, default=0.125,
+                        help="fraction of the budget held out to fit clip ratios (default 0.125)")
+    parser.add_argument("--granularity", choices=("layer", "head"), help="override the spec's granularity")
+    parser.add_argument("--composition", choices=("uhp", "uh", "u", "h", "none"),
+                        help="override the spec's rotation composition")
+    parser.add_argument("--chat-template", action="store_true", help="wrap each chunk in the model's chat template")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _spec(args: argparse.Namespace):
+    from oscarkv.config import QuantSpec
+
+    spec = QuantSpec.load(args.config) if args.config else QuantSpec()
+    overrides = {k: getattr(args, k) for k in ("granularity", "composition") if getattr(args, k)}
+    return spec.replace(**overrides) if overrides else spec
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from oscarkv import models
+    from oscarkv.artifact import UnsupportedModelError
+    from oscarkv.calib import calibrate
+    from oscarkv.config import ConfigError
+    from oscarkv.data import DataNotAvailableError
+    from oscarkv.rotation import RotationError
+
+    from .inspect import format_summary
+
+    if args.tokens < 2:
+        print("error: --tokens must be at least 2", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"oscar-{Path(str(args.model)).name.removesuffix('.gguf')}")
+    t0 = time.time()
+    try:
+        spec = _spec(args)
+        print(f"loading {args.model} ...", file=sys.stderr)
+        model, tok = models.load(args.model, dtype=torch.float32)
+        load_s = time.time() - t0
+        calib = calibrate(model, tok, args.data, spec=spec, tokens=args.tokens, seed=args.seed, seq_len=args.seq_len,
+                          holdout=args.holdout, chat_template=args.chat_template, progress=not args.quiet,
+                          name=str(args.model))
+    except (models.ModelNotAvailableError, DataNotAvailableError, UnsupportedModelError, RotationError,
+            ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    calib.provenance["model_load_s"] = round(load_s, 2)
+    calib.save(out)
+    print(format_summary(calib, out))
+    print(f"total        {time.time() - t0:.1f} s (model load {load_s:.1f} s, calibration "
+          f"{calib.provenance['wall_time_s']:.1f} s)")
+    return 0

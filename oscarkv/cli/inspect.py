@@ -1,0 +1,123 @@
+"""``oscarkv inspect DIR``: summarise a calibration artifact (spectra, clip ratios, bits, provenance)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOP = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="calibration folder (written by `oscarkv calibrate`)")
+    parser.add_argument("--plot", metavar="PNG", help="also write a plot of the per-layer eigen-spectra")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+
+
+def spectrum_summary(eig: torch.Tensor, top: int = TOP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer: share of the target's energy in its ``top`` eigen-directions and condition ``l_1 / l_d``
+    (heads averaged where per head). ``eig`` is ``[L, d]`` or ``[L, H, d]``, descending."""
+    e = eig.to(torch.float64).clamp_min(0)
+    if e.ndim == 3:
+        share = (e[..., :top].sum(-1) / e.sum(-1).clamp_min(1e-300)).mean(1)
+        cond = (e[..., 0] / e[..., -1].clamp_min(1e-12)).mean(1)
+    else:
+        share = e[:, :top].sum(-1) / e.sum(-1).clamp_min(1e-300)
+        cond = e[:, 0] / e[:, -1].clamp_min(1e-12)
+    return share, cond
+
+
+def summary_rows(calib: Any) -> list[dict]:
+    share_k, cond_k = spectrum_summary(calib.eig_k)
+    share_v, cond_v = spectrum_summary(calib.eig_v)
+    return [
+        {"layer": i, "k_clip": round(float(calib.k_clip[i]), 4), "v_clip": round(float(calib.v_clip[i]), 4),
+         f"k_top{TOP}": round(float(share_k[i]), 4), f"v_top{TOP}": round(float(share_v[i]), 4),
+         "k_cond": float(cond_k[i]), "v_cond": float(cond_v[i]),
+         "mu_k_norm": round(float(calib.mu_k[i].norm(dim=-1).mean()), 3),
+         "mu_v_norm": round(float(calib.mu_v[i].norm(dim=-1).mean()), 3)}
+        for i in range(calib.model.num_layers)
+    ]
+
+
+def format_summary(calib: Any, path: str | Path | None = None) -> str:
+    """A human-readable summary: model, spec, provenance, per-layer table, bits per element."""
+    m, s, p = calib.model, calib.spec, calib.provenance
+    data = p.get("data", {})
+    lines = [
+        f"model        {m.name or '?'} ({m.architecture}, {m.num_layers} layers, {m.num_q_heads}/{m.num_kv_heads} "
+        f"q/kv heads, head_dim {m.head_dim})",
+        f"data         {data.get('corpus', data.get('kind', '?'))} [{data.get('split', '-')}], "
+        f"{p.get('tokens', '?')} tokens ({p.get('stats_tokens', '?')} statistics + {p.get('holdout_tokens', 0)} "
+        f"held out for clip fitting), seed {p.get('seed', '?')}, seq_len {p.get('seq_len', '?')}",
+        f"spec         composition {s.composition}, granularity {s.granularity}, target {s.target}, "
+        f"weighting {s.value_weighting}, centering {s.centering}, clip K {s.k_clip} / V {s.v_clip}",
+        f"format       {s.bits}-bit, group {s.group_for(m.head_dim)}, {s.meta_dtype} scale/offset: "
+        f"{calib.bits_per_element():.3f} bits/element in the quantized tier (sink {s.sink}, window {s.window} "
+        "tokens stay 16-bit)",
+    ]
+    if "wall_time_s" in p:
+        lines.append(f"calibrated   in {p['wall_time_s']:.1f} s with oscarkv {p.get('oscarkv_version')}, torch "
+                     f"{p.get('torch_version')}, transformers {p.get('transformers_version')}")
+    rows = summary_rows(calib)
+    lines.append("")
+    lines.append(f"layer  k_clip  v_clip  K top-{TOP}  V top-{TOP}    K cond    V cond  |mu_k|  |mu_v|")
+    for r in rows:
+        lines.append(f"{r['layer']:5d}  {r['k_clip']:6.3f}  {r['v_clip']:6.3f}  {r[f'k_top{TOP}']:8.1%}  "
+                     f"{r[f'v_top{TOP}']:8.1%}  {r['k_cond']:8.2g}  {r['v_cond']:8.2g}  {r['mu_k_norm']:6.2f}  "
+                     f"{r['mu_v_norm']:6.2f}")
+    lines.append(f"(top-{TOP}: share of the key/value target's energy in its {TOP} largest eigen-directions; "
+                 "cond: largest / smallest eigenvalue)")
+    if path is not None:
+        lines.append(f"saved        {Path(path).resolve()}")
+    return "\n".join(lines)
+
+
+def plot(calib: Any, out: str | Path) -> Path:
+    """Normalised eigen-spectra per layer for keys and values (log scale), one line per layer."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'oscar-kv[eval]'") from e
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    L = calib.model.num_layers
+    cmap = plt.get_cmap("viridis")
+    for ax, eig, title in ((axes[0], calib.eig_k, "key target"), (axes[1], calib.eig_v, "value target")):
+        e = eig.to(torch.float64).clamp_min(1e-12)
+        e = e.mean(1) if e.ndim == 3 else e
+        for i in range(L):
+            ax.semilogy((e[i] / e[i].sum()).numpy(), color=cmap(i / max(L - 1, 1)), lw=0.8)
+        ax.set_title(f"{title} eigenvalues (share, per layer)")
+        ax.set_xlabel("eigen-direction (descending)")
+    axes[0].set_ylabel("share of energy")
+    fig.suptitle(f"{calib.model.name or calib.model.architecture}: layer 0 (dark) to {L - 1} (light)")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from oscarkv.artifact import ArtifactError, Calibration
+
+    try:
+        calib = Calibration.load(args.path)
+    except ArtifactError as e:
+        print(f"error: {e}")
+        return 2
+    if args.json:
+        print(json.dumps({"model": calib.model.__dict__, "spec": calib.spec.to_dict(), "layers": summary_rows(calib),
+                          "bits_per_element": calib.bits_per_element(), "provenance": calib.provenance}, indent=2))
+    else:
+        print(format_summary(calib, args.path))
+    if args.plot:
+        print(f"plot         {plot(calib, args.plot).resolve()}")
+    return 0
