@@ -17,6 +17,23 @@ from . import ops
 from .kv import Bf16Pool, KVPool, OscarPool
 
 
+def _triton_decode():
+    """(decode function, plan class) of the kernels' graph-safe 2-bit decode, or None where unavailable."""
+    try:
+        from ..kernels import dispatch  # noqa: PLC0415
+
+        if hasattr(dispatch, "decode_attention") and hasattr(dispatch, "DecodePlan"):
+            return dispatch.decode_attention, dispatch.DecodePlan
+    except ImportError:
+        pass
+    try:
+        from ..kernels.decode_triton import decode_attention_triton  # noqa: PLC0415
+        from ..kernels.plan import DecodePlan  # noqa: PLC0415
+    except ImportError:
+        return None
+    return decode_attention_triton, DecodePlan
+
+
 def _kernel_op(name: str):
     """The dispatch layer's op where it exists (CUDA kernels, reference on CPU), else the reference."""
     try:
@@ -53,6 +70,13 @@ class DecodeCtx(_Ctx):
         self.block_table = pool.block_table[:bs]
         self._decode = _kernel_op("decode_attention") if self.oscar else None
         self._extend = _kernel_op("extend_attention") if self.oscar else None
+        self.plan = None
+        fast = _triton_decode() if self.oscar and dev.type == "cuda" else None
+        if fast is not None:  # one plan per captured batch size: graph-safe split geometry and workspace
+            self._decode, plan_cls = fast
+            m = pool.max_pages
+            self.plan = plan_cls(bs, pool.n_q_heads, pool.H, pool.d, pool.cfg.page_size, m, pool.cfg.c16 + 1,
+                                 device=dev).update(bs)
 
     def fill(self, tokens: list[int], positions: list[int], widx: list[int], lens: list[int],
              qlen: list[int]) -> None:
@@ -80,8 +104,9 @@ class DecodeCtx(_Ctx):
             buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
             return out.to(q.dtype)
         buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
+        extra = {"plan": self.plan} if self.plan is not None else {}
         out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
-                           sm_scale=self.sm_scale)
+                           sm_scale=self.sm_scale, **extra)
         return out.to(q.dtype)
 
 

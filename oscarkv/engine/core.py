@@ -274,11 +274,9 @@ class Engine:
     def _graph_safe(self) -> bool:
         if not isinstance(self.pool, OscarPool):
             return True
-        try:
-            from ..kernels import dispatch  # noqa: PLC0415
-        except ImportError:
-            return False
-        return bool(getattr(dispatch, "GRAPH_SAFE_DECODE", False))
+        from .attention import _triton_decode  # noqa: PLC0415
+
+        return _triton_decode() is not None
 
     def _ctx(self, bs: int) -> DecodeCtx:
         if bs not in self.ctxs:

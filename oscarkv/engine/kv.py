@@ -174,6 +174,7 @@ class OscarPool(KVPool):
         self.mu_k = mu_k.to(self.device, torch.float32)  # [L, Hkv, d]
         self.clip = torch.stack([k_clip.float(), v_clip.float()]).to(self.device)  # [2, L]
         self.qlens = [0] * (self.max_slots + 1)
+        self.n_q_heads = self.H
         self.monitor: Callable[..., None] | None = None  # (which, layers, rows, clipped rows, QuantizedRows)
 
     @staticmethod

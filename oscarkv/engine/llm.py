@@ -118,6 +118,8 @@ class LLM:
                                       head_dim=cfg.head_dim, budget_bytes=int(kv_budget_gb * 2**30),
                                       max_slots=max_num_seqs, max_len=max_len, dtype=pool_dtype, device=p.device,
                                       calib=calib_tensors)
+        if isinstance(self.pool, OscarPool):
+            self.pool.n_q_heads = cfg.num_heads
         if isinstance(self.pool, OscarPool) and monitor_every > 0:
             self.monitor = self.pool.monitor = QuantMonitor(cfg.num_layers, monitor_every)
         eos = tuple(eos_token_ids) if eos_token_ids is not None else eos

@@ -1,0 +1,329 @@
+"""``oscarkv bench``: end-to-end engine benchmarks (decode latency vs context, throughput vs batch under one KV
+budget, KV bytes per token) on random-weight Qwen3-8B/4B-shaped models, plus GPU correctness checks.
+
+Long contexts are not prefilled: the pool is filled with random K/V content directly (random 16-bit rows,
+random 2-bit codes with small random scales/offsets) and decode steps are timed through the CUDA graph
+(``torch.cuda.Event`` over repeated replays). Physical floor = (weight bytes + KV bytes read) / 4.7 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+PEAK_BW = 4.7e12  # H200 HBM3e, bytes/s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="qwen3-8b,qwen3-4b", help="presets (random weights)")
+    p.add_argument("--contexts", default="4096,32768,65536,102400,131072")
+    p.add_argument("--latency-models", default=None, help="presets for the full latency sweep (default: first)")
+    p.add_argument("--throughput-context", type=int, default=131072)
+    p.add_argument("--budget-gb", type=float, default=90.0, help="KV budget for the throughput sweep (GiB)")
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--skip-correctness", action="store_true")
+    p.add_argument("--out", default="e2e.json", help="JSON results file")
+
+
+def provenance() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version(), "time": time.strftime("%F %T")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        info["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return info
+
+
+# ------------------------------------------------------------------------------------------- set-up
+def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64):
+    """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens."""
+    from oscarkv.artifact import Calibration
+    from oscarkv.config import QuantSpec
+    from oscarkv.engine import LLM
+    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
+    from oscarkv.engine.llm import identity_of
+
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    L, H, d, n = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx + extra_tokens
+    cache = CacheConfig(kv)
+    cls = OscarPool if kv == "oscar" else Bf16Pool
+    geo = (cache, L, H, d, dtype)
+    budget = (n_seqs + 1) * cls.slot_bytes(*geo) + (n_seqs * cache.pages_for(n) + 2) * cls.page_bytes(*geo)
+    calib = None
+    if kv == "oscar":
+        spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
+        calib = Calibration.identity(identity_of(cfg), spec, clip=0.96)
+    return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=n_seqs, max_model_len=n,
+               monitor_every=0)
+
+
+def fill_random(llm, n_seqs: int, ctx: int):
+    """Put ``n_seqs`` decode-ready sequences of ``ctx`` cached tokens with random K/V into slots ``0..n-1``."""
+    import torch
+
+    from oscarkv.engine.core import Sequence
+    from oscarkv.engine.kv import OscarPool
+    from oscarkv.engine.sampling import SamplingParams
+
+    eng, pool = llm.engine, llm.pool
+    seqs = []
+    for i in range(n_seqs):
+        seq = Sequence([1] * (ctx + 1), SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        seq.slot, seq.n_cached = i, ctx
+        seq.pages = pool.alloc.allocate(pool.cfg.pages_for(ctx + 1))
+        pool.set_pages(i, 0, seq.pages)
+        pool.lens[i] = ctx
+        eng.running.append(seq)
+        seqs.append(seq)
+    if isinstance(pool, OscarPool):
+        for i in range(n_seqs):
+            pool.qlens[i] = pool.cfg.qlen(ctx)
+        pool.codes.random_(0, 256)
+        pool.scale.uniform_(0.005, 0.05)
+        pool.offset.uniform_(-0.1, 0.0)
+        pool.buf.normal_(0, 0.1)
+    else:
+        pool.kv.normal_(0, 0.1)
+    torch.cuda.synchronize()
+    return seqs
+
+
+def time_decode(llm, seqs, replays: int) -> dict:
+    """Graph replay time of one decode step (ms), and one full engine step (sampling, host work included)."""
+    import torch
+
+    eng = llm.engine
+    bs = next(s for s in eng.graph_sizes if s >= len(seqs))
+    ctx = eng._ctx(bs)
+    ctx.fill(*eng._rows(seqs, bs))
+    eng.capture(bs)
+    graph = eng.graphs[bs][0]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / replays
+    t0 = time.perf_counter()
+    eng._decode(list(seqs), [])
+    torch.cuda.synchronize()
+    return {"graph_ms": step_ms, "engine_step_ms": (time.perf_counter() - t0) * 1e3, "batch": len(seqs),
+            "graph_batch": bs}
+
+
+def kv_read_bytes(llm, ctx: int) -> float:
+    """KV bytes one decode step reads for one sequence of ``ctx`` tokens (from the pool's own tensors)."""
+    from oscarkv.engine.kv import OscarPool
+
+    pool = llm.pool
+    row16 = 2 * pool.L * pool.H * pool.d * pool.buf.element_size() if isinstance(pool, OscarPool) else 0
+    if isinstance(pool, OscarPool):
+        q = pool.cfg.qlen(ctx)
+        return q * pool.bytes_per_token_paged() + (ctx - q) * row16
+    return ctx * pool.bytes_per_token_paged()
+
+
+def release(llm) -> None:
+    import gc
+
+    import torch
+
+    llm.engine.graphs.clear()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------- suites
+def latency(model, contexts: list[int], replays: int, log) -> list[dict]:
+    rows = []
+    wbytes = model.weight_bytes()
+    for ctx in contexts:
+        for kv in ("bf16", "oscar"):
+            llm = build(model, kv, 1, ctx)
+            seqs = fill_random(llm, 1, ctx)
+            r = time_decode(llm, seqs, replays)
+            floor = (wbytes + kv_read_bytes(llm, ctx)) / PEAK_BW * 1e3
+            r.update(kv=kv, context=ctx, floor_ms=floor, ratio_to_floor=r["graph_ms"] / floor,
+                     kv_bytes_read=kv_read_bytes(llm, ctx), weight_bytes=wbytes)
+            rows.append(r)
+            log(f"  latency {kv:5s} ctx {ctx:>6d}: {r['graph_ms']:.3f} ms (floor {floor:.3f}, "
+                f"x{r['ratio_to_floor']:.2f}; engine step {r['engine_step_ms']:.2f} ms)")
+            release(llm)
+    return rows
+
+
+def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
+    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
+
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    cache = CacheConfig(kv)
+    cls = OscarPool if kv == "oscar" else Bf16Pool
+    geo = (cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per = cache.pages_for(ctx + 64) * cls.page_bytes(*geo) + cls.slot_bytes(*geo)
+    return int(budget_gb * 2**30 // per)
+
+
+def throughput(model, ctx: int, budget_gb: float, replays: int, log) -> list[dict]:
+    rows = []
+    for kv in ("bf16", "oscar"):
+        top = max_seqs(model, kv, ctx, budget_gb)
+        for bs in sorted({b for b in (1, 4, 8, 16, top) if b <= top}):
+            llm = build(model, kv, bs, ctx)
+            r = time_decode(llm, fill_random(llm, bs, ctx), replays)
+            r.update(kv=kv, context=ctx, budget_gb=budget_gb, max_batch_in_budget=top,
+                     tokens_per_s=bs / r["graph_ms"] * 1e3)
+            rows.append(r)
+            log(f"  throughput {kv:5s} ctx {ctx} bs {bs:>3d}: {r['graph_ms']:.2f} ms/step, "
+                f"{r['tokens_per_s']:.0f} tok/s")
+            release(llm)
+    return rows
+
+
+def memory(model, ctx: int) -> dict:
+    """KV bytes per token from the pools' own tensors: the paged tier alone, and per sequence of ``ctx``
+    tokens with everything it holds (OSCAR: its 2-bit pages plus its whole 16-bit slot buffer)."""
+    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
+
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    out = {}
+    for kv, cls in (("bf16", Bf16Pool), ("oscar", OscarPool)):
+        cache = CacheConfig(kv)
+        geo = (cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        llm = build(model, kv, 1, 4096)
+        paged = llm.pool.bytes_per_token_paged()
+        release(llm)
+        per_seq = cache.pages_for(ctx) * cache.page_size * paged + cls.slot_bytes(*geo)
+        out[kv] = {"paged_bytes_per_token": paged, "bytes_per_token_at_ctx": per_seq / ctx, "context": ctx}
+    out["ratio_paged"] = out["bf16"]["paged_bytes_per_token"] / out["oscar"]["paged_bytes_per_token"]
+    out["ratio_at_ctx"] = out["bf16"]["bytes_per_token_at_ctx"] / out["oscar"]["bytes_per_token_at_ctx"]
+    return out
+
+
+def run_checks(log) -> dict:
+    """GPU correctness: Triton ops vs PyTorch at Qwen3-8B shapes; a tiny random Qwen3 (float32) through the
+    engine (graphs, Triton ops) vs transformers; OSCAR on GPU (kernels) vs the CPU reference path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oscarkv.artifact import Calibration
+    from oscarkv.config import QuantSpec
+    from oscarkv.engine import LLM, SamplingParams, ops, triton_ops
+    from oscarkv.engine.attention import PrefillCtx
+    from oscarkv.engine.llm import identity_of
+    from oscarkv.rotation import random_orthogonal
+
+    dev, res = "cuda", {}
+    torch.manual_seed(0)
+    x, r, w = (torch.randn(8, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    y, _ = triton_ops.rmsnorm(x, w[0], 1e-6, r)
+    res["rmsnorm_max_err"] = (y.float() - ops.rmsnorm_torch(x + r, w[0], 1e-6).float()).abs().max().item()
+    qkv = torch.randn(8, 48 * 128, device=dev, dtype=torch.bfloat16)
+    ang = torch.rand(8, 64, device=dev)
+    cs = [t.to(torch.bfloat16) for t in (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin())]
+    rk = torch.linalg.qr(torch.randn(8, 128, 128, device=dev))[0]
+    mu = torch.randn(8, 128, device=dev)
+    nw = torch.rand(128, device=dev, dtype=torch.bfloat16) + 0.5
+    a = triton_ops.qk_prep(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
+    b = ops.qk_prep_torch(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
+    res["qk_prep_max_err"] = max((a[i].float() - b[i].float()).abs().max().item() for i in range(2))
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      initializer_range=0.2, tie_word_embeddings=False)
+    hf = Qwen3ForCausalLM(cfg).to(dev).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 40, 300)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p], device=dev), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+        llm = LLM(hf, kv="bf16", kv_budget_gb=0.05, max_num_seqs=4)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        res["bf16_greedy_token_match"] = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y)) / (24 * 3)
+        res["bf16_used_cuda_graphs"] = bool(llm.engine.graphs)
+        toks = torch.tensor(prompts[2], device=dev)
+        pages = llm.pool.alloc.allocate(5)
+        llm.pool.set_pages(0, 0, pages)
+        ours = llm.model(toks, torch.arange(len(toks), device=dev), PrefillCtx(llm.pool, 0, 0, len(toks), 0.125, []))
+        res["bf16_prefill_logits_max_abs_err"] = (ours - hf(toks[None]).logits[0]).abs().max().item()
+        spec = QuantSpec(sink=16, window=64, page_size=16, k_clip=0.96, v_clip=0.92)
+        ident = identity_of(llm.model.cfg)
+        rot = torch.stack([random_orthogonal(64, g) for _ in range(2)])
+        calib = Calibration(spec=spec, model=ident, r_k=rot, r_v=rot.flip(0), eig_k=torch.zeros(2, 64),
+                            eig_v=torch.zeros(2, 64), mu_k=torch.randn(2, 2, 64) * 0.2,
+                            mu_v=torch.randn(2, 2, 64) * 0.2, k_clip=torch.full((2,), 0.96),
+                            v_clip=torch.full((2,), 0.92))
+        o_gpu = LLM(hf, calib, kv="oscar", kv_budget_gb=0.05, max_num_seqs=4, window_dtype=torch.float32)
+        gpu = [o.token_ids for o in o_gpu.generate(prompts, params)]
+        res["oscar_used_cuda_graphs"] = bool(o_gpu.engine.graphs)
+        o_cpu = LLM(hf.cpu(), calib, kv="oscar", kv_budget_gb=0.05, max_num_seqs=4, window_dtype=torch.float32)
+        cpu = [o.token_ids for o in o_cpu.generate(prompts, params)]
+        res["oscar_gpu_vs_cpu_token_match"] = sum(a == b for x, y in zip(gpu, cpu) for a, b in zip(x, y)) / 72
+    log(f"  correctness: {res}")
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from oscarkv.engine.model import PRESETS, random_model
+
+    if not torch.cuda.is_available():
+        raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite)")
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    res: dict = {"provenance": provenance(), "note": "random weights; long contexts filled with random K/V, "
+                 "not prefilled; decode timed as CUDA-graph replays", "peak_bw": PEAK_BW, "models": {}}
+    def guarded(name, fn, *a):  # one failing suite must not lose the others' results
+        try:
+            return fn(*a)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            log(f"  {name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+            torch.cuda.empty_cache()
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    if not args.skip_correctness:
+        res["correctness"] = guarded("correctness", run_checks, log)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    names = args.models.split(",")
+    full = (args.latency_models or names[0]).split(",")
+    for name in names:
+        log(f"== {name}")
+        model = random_model(PRESETS[name], dtype=torch.bfloat16, device="cuda")
+        entry = {"weight_bytes": model.weight_bytes(),
+                 "memory": guarded("memory", memory, model, args.throughput_context)}
+        ctxs = contexts if name in full else [c for c in contexts if c in (32768, 102400)]
+        entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log)
+        if name in full:
+            entry["throughput"] = guarded("throughput", throughput, model, args.throughput_context, args.budget_gb,
+                                          max(1, args.replays // 3), log)
+        res["models"][name] = entry
+        del model
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    log(f"wrote {args.out}")
+    return 0
