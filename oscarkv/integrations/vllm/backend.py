@@ -1,0 +1,204 @@
+"""The OSCAR attention backend for vLLM 0.26.0: backend class, KV cache spec, metadata builder, implementation.
+
+Imported only inside vLLM processes (it imports vLLM). Registered by :func:`oscarkv.integrations.vllm.register`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from .core import StepMeta, build_step, carve, dense_step, page_bytes, quant_step
+from .options import OscarOptions, OscarVllmError
+from .runtime import layer_params, local_kv_heads, runtime
+from .windows import WindowSlots
+
+logger = logging.getLogger("vllm.oscarkv")  # under vLLM's logger, so its handler prints it
+
+
+@dataclass(frozen=True, kw_only=True)
+class OscarAttentionSpec(FullAttentionSpec):
+    """A full-attention spec whose page holds OSCAR's packed K/V (codes + fp16 scale/offset) in uint8."""
+
+    oscar_page_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.oscar_page_bytes
+
+    @classmethod
+    def merge(cls, specs):
+        merged = super().merge(specs)
+        if any(s.oscar_page_bytes != specs[0].oscar_page_bytes for s in specs):
+            raise OscarVllmError("all OSCAR layers of one KV cache group must have the same page size")
+        return replace(merged, oscar_page_bytes=specs[0].oscar_page_bytes)
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class OscarAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["OscarAttentionImpl"]:
+        return OscarAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["OscarMetadataBuilder"]:
+        return OscarMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        # Block-major; the page's byte layout is the backend's own (core.carve), sized by OscarAttentionSpec.
+        return (num_blocks, -1)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        opts = OscarOptions.from_additional_config(get_current_vllm_config().additional_config)
+        return 64 if opts is not None and opts.quantize else default_block_size
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+@dataclass
+class OscarMetadata(AttentionMetadata):
+    step: StepMeta
+    block_size: int
+
+
+class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+        self.rt = runtime(vllm_config, require=not _is_cpu())
+        self.block_size = kv_cache_spec.block_size
+        self.slots = WindowSlots(self.rt.num_slots) if self.rt.windows else None
+        self._warned = 0
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> OscarMetadata:
+        cam = common_attn_metadata
+        B = cam.num_reqs
+        qsl = cam.query_start_loc_cpu[: B + 1].numpy().astype(np.int64)
+        seq_src = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
+        seq = seq_src[:B].numpy().astype(np.int64)
+        bt = cam.block_table_tensor[:B]
+        keys = bt[:, 0].cpu().numpy().astype(np.int64) if self.slots is not None else None
+        step = build_step(self.rt.tiers, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
+                          cam.slot_mapping[: cam.num_actual_tokens], self.block_size)
+        if self.slots is not None and self.slots.degraded > self._warned:
+            self._warned = self.slots.degraded
+            logger.warning("OSCAR: %d sequence step(s) read without 16-bit windows (raise oscar.max_seqs)",
+                           self.slots.degraded)
+        return OscarMetadata(step=step, block_size=self.block_size)
+
+
+class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None, **kwargs):
+        for bad, what in ((attn_type != AttentionType.DECODER, f"attention type {attn_type}"),
+                          (alibi_slopes is not None, "ALiBi"), (sliding_window is not None, "sliding windows"),
+                          (bool(logits_soft_cap), "logit soft-capping"), (kwargs.get("sinks") is not None, "sinks"),
+                          (kv_sharing_target_layer_name is not None, "cross-layer KV sharing"),
+                          (kv_cache_dtype != "auto", f"kv_cache_dtype={kv_cache_dtype} (use auto)")):
+            if bad:
+                raise OscarVllmError(f"the OSCAR attention backend does not support {what}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        vllm_config = get_current_vllm_config()
+        self.rt = runtime(vllm_config, require=not _is_cpu())
+        if head_size != self.rt.model.head_dim:
+            raise OscarVllmError(f"layer head size {head_size} != model head_dim {self.rt.model.head_dim}")
+        self.pools = None
+        if self.rt.windows:
+            shape = (self.rt.num_slots + 1, self.rt.tiers.rows16, self.num_kv_heads, head_size)
+            dtype = vllm_config.model_config.dtype
+            self.pools = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.params = None
+
+    def bind(self, layer: Any) -> None:
+        """Load this layer's rotations and means for this rank's KV heads (once)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        idx = extract_layer_index(layer.layer_name)
+        heads = local_kv_heads(self.rt.model.num_kv_heads, get_tensor_model_parallel_world_size(),
+                               get_tensor_model_parallel_rank())
+        if len(heads) != self.num_kv_heads:
+            raise OscarVllmError(f"rank holds {self.num_kv_heads} KV heads, expected {len(heads)}")
+        device = self.pools[0].device if self.pools is not None else layer._k_scale.device
+        self.params = layer_params(self.rt, idx, heads, self.scale, device)
+
+    def kv_cache_spec(self, layer: Any, vllm_config: VllmConfig, original) -> FullAttentionSpec:
+        """The spec vLLM sizes pages with: packed OSCAR pages, or vLLM's own 16-bit pages when quantization is
+        off (the backend then keeps rotated K/V in them)."""
+        if self.params is None:
+            self.bind(layer)
+        block_size = vllm_config.cache_config.block_size
+        self.rt.tiers.check_block_size(block_size)
+        if not self.rt.opts.quantize:
+            return original(layer, vllm_config)
+        fmt = self.rt.page_format(self.num_kv_heads, block_size)
+        return OscarAttentionSpec(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                  dtype=torch.uint8, oscar_page_bytes=page_bytes(fmt))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None, output_block_scale_dummy=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise OscarVllmError("fused output quantization is not supported by the OSCAR backend")
+        if attn_metadata is None:  # profiling run
+            return output
+        if self.params is None:
+            self.bind(layer)
+        m = attn_metadata.step
+        T = m.num_tokens
+        q, k, v = query[:T], key[:T], value[:T]
+        if self.rt.opts.quantize:
+            fmt = self.rt.page_format(self.num_kv_heads, attn_metadata.block_size)
+            out = quant_step(q, k, v, carve(kv_cache, fmt), self.pools, self.params, m)
+        else:
+            kv16 = kv_cache.view(kv_cache.shape[0], 2, self.num_kv_heads, attn_metadata.block_size, self.head_size)
+            out = dense_step(q, k, v, kv16, self.params, m)
+        output[:T].copy_(out.view(output[:T].shape).to(output.dtype))
+        return output
+
+
+__all__ = ["OscarAttentionBackend", "OscarAttentionImpl", "OscarMetadataBuilder", "OscarAttentionSpec"]

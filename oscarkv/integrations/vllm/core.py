@@ -1,0 +1,222 @@
+"""One attention layer of one vLLM step over the OSCAR cache, independent of vLLM's classes (unit-testable).
+
+Per layer the cache is vLLM's block-major tensor ``[num_blocks, page_bytes]`` (uint8), carved into K and V
+pools of :class:`~oscarkv.kernels.layout.QuantPages` (every token is written in 2-bit), plus a 16-bit pool
+``[num_slots + 1, rows16, Hkv, d]`` per K and V for the sink and recent windows (:mod:`.windows`).
+
+A step: rotate/center the new K/V (``(x - mu) @ R``) and the queries (``q @ R_K``); quantize-and-pack every new
+token into its page slot; copy new rows into the 16-bit ring; decode rows attend to their tiers after the write,
+prefill chunks attend causally to themselves in full precision and to their prefix as stored; the output is
+rotated back (``@ R_V^T``) and ``mu_V`` added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import torch
+from torch import Tensor
+
+from ...kernels.layout import PageFormat, QuantPages
+from .options import Tiering
+from .windows import WindowSlots, step_indices
+
+
+def ops():
+    """The kernel ops of :mod:`oscarkv.kernels.dispatch`: Triton on CUDA, the PyTorch reference on CPU."""
+    from ...kernels import dispatch
+
+    return dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention
+
+
+def page_bytes(fmt: PageFormat) -> int:
+    """Bytes of one vLLM block (K and V codes, scales and offsets of ``page_size`` tokens, all heads)."""
+    meta = torch.empty((), dtype=fmt.meta_dtype).element_size()
+    per_kv = fmt.num_kv_heads * fmt.page_size * (fmt.row_bytes + 2 * fmt.groups * meta)
+    return 2 * per_kv
+
+
+def carve(kv_cache: Tensor, fmt: PageFormat) -> tuple[QuantPages, QuantPages]:
+    """K and V page pools inside vLLM's uint8 ``[num_blocks, page_bytes(fmt)]`` cache of one layer.
+
+    The bytes are used pool-major (K codes of all blocks, then V codes, K scales, K offsets, V scales, V offsets),
+    so each pool is a contiguous tensor as the kernels require. vLLM only ever addresses these bytes through the
+    backend (no KV zeroing for this spec, no KV connectors), so the block-major shape it allocates is only a size.
+    """
+    nb = kv_cache.shape[0]
+    if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or kv_cache.numel() != nb * page_bytes(fmt):
+        raise ValueError(f"KV cache {tuple(kv_cache.shape)} {kv_cache.dtype} is not {nb} contiguous pages of "
+                         f"{page_bytes(fmt)} bytes")
+    flat = kv_cache.view(-1)
+    H, P, md = fmt.num_kv_heads, fmt.page_size, fmt.meta_dtype
+    msize = torch.empty((), dtype=md).element_size()
+    parts, at = [], 0
+    for dtype, last, size in [(torch.uint8, fmt.row_bytes, 1)] * 2 + [(md, fmt.groups, msize)] * 4:
+        n = nb * H * P * last * size
+        parts.append(flat[at:at + n].view(dtype).view(nb, H, P, last))
+        at += n
+    kc, vc, ks, ko, vs, vo = parts
+    return QuantPages(kc, ks, ko, fmt), QuantPages(vc, vs, vo, fmt)
+
+
+@dataclass
+class LayerParams:
+    """Per-layer, per-rank calibration tensors (on the compute device)."""
+
+    r_k: Tensor  # float32 [Hkv, d, d]
+    r_v: Tensor  # float32 [Hkv, d, d]
+    mu_k: Tensor  # float32 [Hkv, d]
+    mu_v: Tensor  # float32 [Hkv, d]
+    k_clip: float
+    v_clip: float
+    sm_scale: float
+
+
+@dataclass
+class StepMeta:
+    """Per-step metadata (built once per step by the metadata builder, shared by all layers)."""
+
+    num_tokens: int
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes; tokens [0, num_decodes) theirs
+    slot_mapping: Tensor  # int64 [T]: page * block_size + row of each new token
+    block_table: Tensor  # int32 [B, max_blocks]
+    qlen: Tensor  # int32 [B]: 2-bit tokens read (decode: after this step; prefill: of the prefix)
+    skip_blocks: int  # blocks skipped at the start of every row's page table (the sink), see bt2
+    bt2: Tensor  # int32 [B, *]: page table of the 2-bit tier (rows with their own skip already applied)
+    len16: Tensor  # int32 [B]
+    gather: Tensor  # int64 [B, rows16]: flat 16-bit pool rows of each row's 16-bit tier
+    ring_rows: Tensor | None  # int64 [T]: flat 16-bit pool row of each new token (None: no windows)
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, tok_start, tok_end, n0)
+    seq_lens: list[int] = field(default_factory=list)  # tokens after this step (16-bit mode only)
+
+
+def build_step(
+    tiers: Tiering, slots: WindowSlots | None, num_slots: int, qsl: np.ndarray, seq: np.ndarray,
+    keys: np.ndarray | None, block_table: Tensor, slot_mapping: Tensor, block_size: int,
+) -> StepMeta:
+    """:class:`StepMeta` of one step from vLLM's batch: ``qsl`` query start offsets ``[B + 1]`` and ``seq``
+    tokens after the step ``[B]`` (CPU int64), ``keys`` first-block ids (None without windows), the device
+    ``block_table [B, M]`` and ``slot_mapping [T]``. Leading one-token rows are decodes (vLLM puts them first)."""
+    B = len(seq)
+    qlens = np.diff(qsl)
+    is_one = qlens == 1
+    nd = B if is_one.all() else int(np.argmin(is_one))
+    if slots is not None:
+        row_slots = slots.assign(keys, fresh=(seq - qlens) == 0)
+    else:
+        row_slots = np.full(B, -1, dtype=np.int64)
+    idx = step_indices(tiers, row_slots, seq, qlens, num_slots, np.arange(B) < nd)
+    skip = idx.skip // block_size
+    dev = block_table.device
+    if B == 0 or (skip == skip[0]).all():
+        bt2 = block_table[:, int(skip[0]) if B else 0:]
+    else:
+        cols = torch.arange(block_table.shape[1], device=dev)[None] + torch.as_tensor(skip, device=dev)[:, None]
+        bt2 = block_table.gather(1, cols.clamp(max=block_table.shape[1] - 1).long())
+
+    def to_dev(a, dtype):
+        return torch.as_tensor(a, dtype=dtype).to(dev, non_blocking=True)
+
+    T = int(qsl[-1])
+    return StepMeta(
+        num_tokens=T, num_decodes=nd, slot_mapping=slot_mapping[:T].long(), block_table=block_table,
+        qlen=to_dev(idx.qlen, torch.int32), skip_blocks=int(skip[0]) if B else 0, bt2=bt2,
+        len16=to_dev(idx.len16, torch.int32), gather=to_dev(idx.gather, torch.int64),
+        ring_rows=to_dev(idx.ring_rows, torch.int64) if slots is not None else None,
+        prefills=[(r, int(qsl[r]), int(qsl[r + 1]), int(seq[r] - qlens[r])) for r in range(nd, B)],
+        seq_lens=seq.tolist(),
+    )
+
+
+def rotate_kv(x: Tensor, mu: Tensor, r: Tensor) -> Tensor:
+    """``(x - mu) @ R`` per KV head in float32: x ``[T, Hkv, d]``, mu ``[Hkv, d]``, r ``[Hkv, d, d]``."""
+    return torch.einsum("nhd,hde->nhe", x.to(torch.float32) - mu, r)
+
+
+def rotate_q(q: Tensor, r: Tensor) -> Tensor:
+    """``q @ R_K`` for query heads grouped by KV head: q ``[T, Hq, d]`` -> float32."""
+    T, Hq, d = q.shape
+    qg = q.to(torch.float32).view(T, r.shape[0], Hq // r.shape[0], d)
+    return torch.einsum("nhgd,hde->nhge", qg, r).reshape(T, Hq, d)
+
+
+def unrotate_out(o: Tensor, p: LayerParams) -> Tensor:
+    """``o @ R_V^T + mu_V`` for query heads grouped by KV head: o ``[T, Hq, d]`` (rotated V basis)."""
+    T, Hq, d = o.shape
+    H = p.r_v.shape[0]
+    og = o.to(torch.float32).view(T, H, Hq // H, d)
+    return (torch.einsum("nhge,hde->nhgd", og, p.r_v) + p.mu_v[None, :, None]).reshape(T, Hq, d)
+
+
+def quant_step(
+    q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPages], pools: tuple[Tensor, Tensor] | None,
+    p: LayerParams, m: StepMeta,
+) -> Tensor:
+    """One layer over the 2-bit cache. q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``; pools ``[num_slots + 1,
+    rows16, Hkv, d]`` (16-bit) or None without windows. Returns ``[T, Hq, d]`` float32 (unrotated).
+    Queries and the chunk's own K/V reach the kernels in the activation dtype (float32 on CPU)."""
+    quantize_write, decode_attention, extend_attention = ops()
+    T, nd, act = m.num_tokens, m.num_decodes, q.dtype
+    kp, vp = kv
+    qr = rotate_q(q, p.r_k).to(act)
+    kr, vr = rotate_kv(k, p.mu_k, p.r_k).to(act), rotate_kv(v, p.mu_v, p.r_v).to(act)
+    pre16 = {}
+    if pools is not None:
+        flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in pools)
+        for row, *_ in m.prefills:  # the prefix as stored, before this chunk enters the ring
+            pre16[row] = (flat_k[m.gather[row]], flat_v[m.gather[row]])
+    quantize_write(kp, vp, k, v, m.slot_mapping, k_rotation=p.r_k, v_rotation=p.r_v, k_mean=p.mu_k,
+                   v_mean=p.mu_v, k_clip=p.k_clip, v_clip=p.v_clip)
+    if pools is not None:
+        flat_k.index_copy_(0, m.ring_rows, kr.to(flat_k.dtype))
+        flat_v.index_copy_(0, m.ring_rows, vr.to(flat_v.dtype))
+    out = torch.empty(T, q.shape[1], q.shape[2], dtype=act, device=q.device)
+    H, d = k.shape[1], k.shape[2]
+    empty16 = q.new_zeros(1, H, 1, d)
+    if nd:
+        if pools is not None:
+            k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
+            v16 = flat_v[m.gather[:nd]].permute(0, 2, 1, 3)
+        else:
+            k16 = v16 = q.new_zeros(nd, H, 1, d)
+        decode_attention(qr[:nd], kp, vp, m.bt2[:nd], m.qlen[:nd], k16, v16, m.len16[:nd], p.sm_scale, out=out[:nd])
+    for row, a, b, _ in m.prefills:
+        if row in pre16:
+            k16, v16 = (x.permute(1, 0, 2).unsqueeze(0) for x in pre16[row])
+        else:
+            k16 = v16 = empty16
+        extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
+                         m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=out[None, a:b])
+    return unrotate_out(out, p)
+
+
+def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m: StepMeta) -> Tensor:
+    """One layer over a 16-bit paged cache ``[num_blocks, 2, Hkv, block_size, d]`` (quantization off): the same
+    rotations and centering, every token kept exactly. Returns ``[T, Hq, d]`` float32 (unrotated)."""
+    _, _, extend_attention = ops()
+    B = kv16.shape[3]
+    qr = rotate_q(q, p.r_k)
+    kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)
+    blk, off = m.slot_mapping // B, m.slot_mapping % B
+    kv16[blk, 0, :, off] = kr.to(kv16.dtype)
+    kv16[blk, 1, :, off] = vr.to(kv16.dtype)
+    H, d = k.shape[1], k.shape[2]
+    dummy = QuantPages.allocate(PageFormat(H, d, page_size=B), 1, device=q.device)
+    zeros = torch.zeros(1, dtype=torch.int32, device=q.device)
+    rows = [(r, r, r + 1, m.seq_lens[r] - 1) for r in range(m.num_decodes)] + list(m.prefills)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for row, a, b, n0 in rows:
+        nblk = -(-max(n0, 1) // B)
+        pages = kv16[m.block_table[row, :nblk].long()]  # [nblk, 2, H, B, d]
+        k16 = pages[:, 0].permute(1, 0, 2, 3).reshape(H, nblk * B, d)[None]
+        v16 = pages[:, 1].permute(1, 0, 2, 3).reshape(H, nblk * B, d)[None]
+        len16 = torch.full((1,), n0, dtype=torch.int32, device=q.device)
+        out[a:b] = extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], dummy, dummy,
+                                    m.block_table[row:row + 1, :1], zeros, k16, v16, len16, p.sm_scale,
+                                    backend="reference")[0]
+    return unrotate_out(out, p)
+
+
+__all__ = ["page_bytes", "carve", "LayerParams", "StepMeta", "build_step", "quant_step", "dense_step", "ops"]

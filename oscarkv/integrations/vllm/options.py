@@ -1,0 +1,197 @@
+"""The ``"oscar"`` section of vLLM's ``--additional-config`` and its validation against the served model.
+
+Everything here is plain Python (no vLLM import), so it is unit-tested without starting an engine::
+
+    --additional-config '{"oscar": {"calibration": "/path/to/artifact"}}'
+
+Keys (unknown keys are an error):
+
+* ``calibration`` (str): an artifact folder written by ``oscarkv calibrate``. Required when ``quantize`` is true;
+  optional otherwise (identity rotation, no centering).
+* ``quantize`` (bool, default true): false stores the rotated, centered K/V in 16-bit pages (a diagnostic mode
+  whose tokens must equal vLLM's own backend).
+* ``windows`` (bool, default true): keep the first ``sink`` and the last ``window`` tokens of every sequence in
+  16-bit as the method says (section 4); false quantizes every token on write.
+* ``sink`` / ``window`` (int): override the artifact's spec.
+* ``max_seqs`` (int): sequences that can hold 16-bit windows at once (default: vLLM's ``max_num_seqs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+PINNED_VLLM = "0.26.0"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+_KEYS = ("calibration", "quantize", "windows", "sink", "window", "max_seqs")
+
+
+class OscarVllmError(ValueError):
+    """The vLLM plugin cannot serve this model with this configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class OscarOptions:
+    """Parsed ``additional_config["oscar"]``."""
+
+    calibration: str | None = None
+    quantize: bool = True
+    windows: bool = True
+    sink: int | None = None
+    window: int | None = None
+    max_seqs: int | None = None
+
+    @classmethod
+    def from_additional_config(cls, additional: Mapping[str, Any] | None) -> "OscarOptions | None":
+        """``None`` when there is no ``"oscar"`` section; raises :class:`OscarVllmError` on bad keys/values."""
+        if not additional or "oscar" not in additional:
+            return None
+        raw = additional["oscar"]
+        if not isinstance(raw, Mapping):
+            raise OscarVllmError(f'additional_config["oscar"] must be a JSON object, got {type(raw).__name__}')
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise OscarVllmError(f'unknown key(s) {unknown} in additional_config["oscar"]; valid keys: {list(_KEYS)}')
+        opts = cls(**dict(raw))
+        opts._validate()
+        return opts
+
+    def _validate(self) -> None:
+        for name in ("quantize", "windows"):
+            if not isinstance(getattr(self, name), bool):
+                raise OscarVllmError(f"oscar.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("sink", "window", "max_seqs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_seqs" else 0)):
+                raise OscarVllmError(f"oscar.{name} must be a non-negative int (max_seqs >= 1), got {v!r}")
+        if self.calibration is not None and not isinstance(self.calibration, str):
+            raise OscarVllmError(f"oscar.calibration must be a folder path, got {self.calibration!r}")
+        if self.quantize and not self.calibration:
+            raise OscarVllmError(
+                'oscar.calibration is required: --additional-config \'{"oscar": {"calibration": "DIR"}}\' '
+                "with DIR written by `oscarkv calibrate` for this model"
+            )
+        if self.calibration and not Path(self.calibration).is_dir():
+            raise OscarVllmError(f"oscar.calibration {self.calibration!r} is not a folder")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the plugin needs to know about the served model (read from vLLM's config)."""
+
+    architecture: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str
+    sliding_window: int | None = None
+
+    def identity(self):
+        from ...artifact import ModelIdentity
+
+        return ModelIdentity(self.architecture, self.num_layers, self.num_q_heads, self.num_kv_heads,
+                             self.head_dim, self.hidden_size)
+
+
+def check_model(model: ServedModel) -> None:
+    """Refuse models the plugin cannot serve, with what to do instead."""
+    if model.architecture not in SUPPORTED_ARCHITECTURES:
+        raise OscarVllmError(
+            f"model type {model.architecture!r} is not supported by the OSCAR vLLM backend; supported: "
+            f"{list(SUPPORTED_ARCHITECTURES)} (full-attention decoders). Serve it without the oscar config."
+        )
+    if model.head_dim not in SUPPORTED_HEAD_SIZES:
+        raise OscarVllmError(
+            f"head size {model.head_dim} is not supported by the OSCAR vLLM backend; supported: "
+            f"{list(SUPPORTED_HEAD_SIZES)}"
+        )
+    if model.dtype not in SUPPORTED_DTYPES:
+        raise OscarVllmError(f"model dtype {model.dtype} is not supported; use one of {list(SUPPORTED_DTYPES)}")
+    if model.sliding_window is not None:
+        raise OscarVllmError("sliding-window attention is not supported by the OSCAR vLLM backend")
+
+
+def load_calibration(opts: OscarOptions, model: ServedModel):
+    """The artifact named by ``opts`` checked against ``model`` (identity calibration when none is given)."""
+    from ...artifact import ArtifactError, Calibration
+    from ...config import QuantSpec
+
+    check_model(model)
+    if not opts.calibration:
+        spec = QuantSpec(k_clip=0.0, v_clip=0.0, centering=False, composition="none")
+        return Calibration.identity(model.identity(), spec)
+    try:
+        calib = Calibration.load(opts.calibration, model=model.identity())
+    except ArtifactError as e:
+        raise OscarVllmError(f"OSCAR calibration {opts.calibration!r} cannot serve this model: {e}") from e
+    spec = calib.spec
+    if spec.quantizer != "uniform":
+        raise OscarVllmError(f"quantizer {spec.quantizer!r} is not supported in vLLM (uniform only)")
+    if calib.layer_formats is not None and any(f for f in calib.layer_formats):
+        raise OscarVllmError(
+            "the artifact selects per-layer formats (layer_formats); the vLLM backend serves one format for "
+            "all layers. Calibrate without per-layer format selection."
+        )
+    return calib
+
+
+@dataclass(frozen=True)
+class Tiering:
+    """Which tokens attention reads in 16-bit (method section 4), in units the vLLM backend uses.
+
+    With ``enabled``: the first ``sink`` tokens and the most recent ``window .. window + page - 1`` tokens are
+    16-bit, and the 2-bit tier is the whole pages of ``page`` tokens demoted after the sink. The recent tokens
+    live in a ring of ``window + page`` rows. Every token is also written to the 2-bit pages, so the tiers only
+    decide what attention reads. Without ``enabled`` every token is read from the 2-bit pages.
+    """
+
+    sink: int
+    window: int
+    page: int
+    enabled: bool = True
+
+    @property
+    def ring(self) -> int:
+        return self.window + self.page if self.enabled else 0
+
+    @property
+    def rows16(self) -> int:
+        """16-bit rows per sequence (sink + ring)."""
+        return self.sink + self.ring if self.enabled else 0
+
+    @property
+    def first_block_tokens(self) -> int:
+        """Tokens before the 2-bit tier starts in the page table (the sink, or 0)."""
+        return self.sink if self.enabled else 0
+
+    def qlen(self, n: int) -> int:
+        """Tokens in the 2-bit tier of a sequence of ``n`` tokens."""
+        if not self.enabled:
+            return n
+        rest = n - self.sink - self.window
+        return 0 if rest <= 0 else self.page * (rest // self.page)
+
+    def len16(self, n: int) -> int:
+        """Tokens in the 16-bit tiers of a sequence of ``n`` tokens."""
+        return n - self.qlen(n) if self.enabled else 0
+
+    def check_block_size(self, block_size: int) -> None:
+        if not self.enabled:
+            return
+        for name, v in (("sink", self.sink), ("page_size", self.page)):
+            if v % block_size:
+                raise OscarVllmError(
+                    f"the OSCAR {name} ({v}) must be a multiple of vLLM's block size ({block_size}); "
+                    f"start vLLM with block_size={self.page} (--block-size {self.page})"
+                )
+
+
+__all__ = [
+    "OscarOptions", "OscarVllmError", "ServedModel", "Tiering", "check_model", "load_calibration",
+    "PINNED_VLLM", "SUPPORTED_ARCHITECTURES", "SUPPORTED_HEAD_SIZES",
+]

