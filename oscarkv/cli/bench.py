@@ -190,7 +190,7 @@ def throughput(model, ctx: int, budget_gb: float, replays: int, log) -> list[dic
     rows = []
     for kv in ("bf16", "oscar"):
         top = max_seqs(model, kv, ctx, budget_gb)
-        for bs in sorted({b for b in (1, 4, 8, 16, top) if b <= top}):
+        for bs in sorted({b for b in (1, 8, top) if b <= top}):
             llm = build(model, kv, bs, ctx)
             r = time_decode(llm, fill_random(llm, bs, ctx), replays)
             r.update(kv=kv, context=ctx, budget_gb=budget_gb, max_batch_in_budget=top,

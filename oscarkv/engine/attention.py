@@ -23,7 +23,14 @@ def _triton_decode():
         from ..kernels import dispatch  # noqa: PLC0415
 
         if hasattr(dispatch, "decode_attention") and hasattr(dispatch, "DecodePlan"):
-            return dispatch.decode_attention, dispatch.DecodePlan
+            def fast(*a, **kw):
+                try:
+                    return dispatch.decode_attention(*a, **kw)
+                except ImportError:  # a dispatch path whose module is not installed: the Triton kernel
+                    from ..kernels.decode_triton import decode_attention_triton  # noqa: PLC0415
+
+                    return decode_attention_triton(*a, **kw)
+            return fast, dispatch.DecodePlan
     except ImportError:
         pass
     try:
