@@ -92,7 +92,7 @@ class LLM:
         net, tok, eos = _load_model(model, dtype, device)
         self.model, self.tokenizer = net, tokenizer or tok
         cfg = net.cfg
-        max_len = min(max_model_len or cfg.max_position, cfg.max_position)
+        max_len = max_model_len or cfg.max_position  # may exceed the trained length (benchmarks, RoPE scaling)
         p = next(net.parameters())
         calib_tensors = None
         self.monitor: QuantMonitor | None = None

@@ -275,8 +275,8 @@ def fold_value_rotation(model: Transformer, r_v: Tensor, mu_v: Tensor) -> None:
     r_v = r_v if r_v.ndim == 4 else r_v.unsqueeze(1).expand(L, H, d, d)
     for i, block in enumerate(model.layers):
         attn = block.attn
-        r, mu = r_v[i].double(), mu_v[i].double()  # [H, d, d], [H, d]
         w = attn.qkv.weight
+        r, mu = r_v[i].to(w.device, torch.float64), mu_v[i].to(w.device, torch.float64)  # [H, d, d], [H, d]
         q_sz, kv_sz = attn.sizes[0], attn.sizes[1]
         wv = w[q_sz + kv_sz:].double().view(H, d, -1)  # v = x @ wv^T: head h rows
         w[q_sz + kv_sz:] = torch.einsum("hde,hdk->hek", r, wv).reshape(H * d, -1).to(w.dtype)
