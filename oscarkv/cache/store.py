@@ -133,8 +133,8 @@ class LayerStore:
             yield self.k_pool.read(b, t0, t1), self.v_pool.read(b, t0, t1)
 
     def tiers(self, b: int) -> dict[str, Tensor]:
-        """Sequence ``b``'s stored rows by tier, float32 ``[Hkv, n, d]``: sink, quantized (dequantized), recent.
-        For tests and inspection."""
+        """Sequence ``b``'s stored rows by tier, float32 ``[Hkv, n, d]`` copies: sink, quantized (dequantized),
+        recent. For tests and inspection."""
         s, q, r = self.policy.split(self.n[b])
         S = self.policy.sink
         empty = torch.zeros(self.H, 0, self.d)
@@ -142,7 +142,7 @@ class LayerStore:
                "k_recent": self.k16[b, :, S: S + r].float(), "v_recent": self.v16[b, :, S: S + r].float()}
         out["k_quantized"] = self.k_pool.read(b, 0, q) if q else empty
         out["v_quantized"] = self.v_pool.read(b, 0, q) if q else empty
-        return out
+        return {k: v.clone() for k, v in out.items()}
 
     # ------------------------------------------------------------------------------------------ bytes
     def nbytes(self) -> Bytes:

@@ -61,6 +61,7 @@ class LayerPlan:
     mode: str  # "cache" or "simulate"
     window_dtype: torch.dtype
     prompt_len: int = 0
+    chunk: int = 1
     _handle: Any = None
     _dev: dict = field(default_factory=dict)
 
@@ -142,7 +143,7 @@ class Applied:
     """
 
     def __init__(self, model: nn.Module, calibration: Calibration, method: str, mode: str,
-                 window_dtype: torch.dtype | None, prompt_len: int = 0):
+                 window_dtype: torch.dtype | None, prompt_len: int = 0, chunk: int = 1):
         _require_transformers()
         if getattr(model, HANDLE_ATTR, None) is not None:
             prev = getattr(model, HANDLE_ATTR)
@@ -156,7 +157,9 @@ class Applied:
         self.recipe = _methods.resolve(self.method, calibration)
         self.fingerprint = _fingerprint(calibration, self.method.name)
         self.window_dtype = window_dtype or default_window_dtype(model)
-        self.prompt_len = int(prompt_len)
+        if not (isinstance(prompt_len, int) and prompt_len >= 0 and isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(f"prompt_len must be an int >= 0 and chunk an int >= 1, got {prompt_len!r}, {chunk!r}")
+        self.prompt_len, self.chunk = prompt_len, chunk
         self._saved: list = []
         self._prev_attn = model.config._attn_implementation
         self.plans: dict[int, LayerPlan] = {}
@@ -179,7 +182,7 @@ class Applied:
                 self._saved += fold_values(attn, lr.r_v, lr.mu_v, ident.num_q_heads, ident.num_kv_heads,
                                            ident.head_dim)
                 plan = LayerPlan(i, self.recipe, lr, ident.num_q_heads, ident.num_kv_heads, ident.head_dim,
-                                 self.mode, self.window_dtype, self.prompt_len, me)
+                                 self.mode, self.window_dtype, self.prompt_len, self.chunk, me)
                 setattr(attn, PLAN_ATTR, plan)
                 self.plans[i] = plan
             model.set_attn_implementation(ATTN_NAME)
@@ -247,7 +250,7 @@ def apply(model: nn.Module, calibration: Calibration, method: str = "oscar", *,
 
 
 def simulate(model: nn.Module, calibration: Calibration, method: str = "oscar", *,
-             window_dtype: torch.dtype | None = None, prompt_len: int = 0) -> Applied:
+             window_dtype: torch.dtype | None = None, prompt_len: int = 0, chunk: int = 1) -> Applied:
     """Teacher-forced simulation: inside ``with simulate(model, calib, method):`` ONE forward pass over ``ids``
     ``[B, N]`` (no padding, no past) gives at every position ``i`` the logits that decoding the text token by
     token through an :class:`~oscarkv.hf.cache.OscarCache` would give (equal to float tolerance).
@@ -255,9 +258,12 @@ def simulate(model: nn.Module, calibration: Calibration, method: str = "oscar", 
     Query ``i`` attends to its own key and value in full precision and to each earlier token ``j`` as the cache
     held it when ``i`` was decoded: quantized if ``S <= j < S + q(i)`` (the demotion rule of
     :class:`oscarkv.cache.TierPolicy`, pages included), else 16-bit. With ``prompt_len = P`` the first ``P``
-    tokens are a prompt prefilled in one pass (they attend to each other in full precision), as in generation.
+    tokens are a prompt prefilled in one pass (they attend to each other in full precision), as in generation;
+    with ``chunk = C`` the rest arrive ``C`` tokens at a time (chunked prefill: a chunk attends to earlier
+    chunks as stored and to itself in full precision). ``window_dtype``: dtype of the 16-bit tiers (default: the
+    model's if 16-bit, else bfloat16), as for :func:`apply`.
     """
-    return Applied(model, calibration, method, "simulate", window_dtype, prompt_len)
+    return Applied(model, calibration, method, "simulate", window_dtype, prompt_len, chunk)
 
 
 __all__ = ["apply", "simulate", "Applied", "LayerPlan", "register", "ATTN_NAME", "full_attention_layers"]
