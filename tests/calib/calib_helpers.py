@@ -1,10 +1,10 @@
-"""Tiny random models, an independent q/k/v capture and a tiny word-level tokenizer for the calibration tests."""
+"""Helpers for the calibration tests (a unique module name, unlike conftest): tiny random models, an
+independent q/k/v capture and a tiny word-level tokenizer."""
 
 from __future__ import annotations
 
 import importlib
 
-import pytest
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -105,8 +105,3 @@ def word_tokenizer(chat: bool = False):
 def word_text(n_words: int, seed: int = 0) -> str:
     g = torch.Generator().manual_seed(seed)
     return " ".join(f"w{i}" for i in torch.randint(0, VOCAB - 5, (n_words,), generator=g).tolist())
-
-
-@pytest.fixture
-def tiny_llama():
-    return tiny_model("llama")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model, word_text, word_tokenizer
+from calib_helpers import VOCAB, tiny_model, word_text, word_tokenizer
 
 from oscarkv.artifact import ArtifactError, Calibration, UnsupportedModelError
 from oscarkv.calib import calibrate, plan_chunks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, capture_qkv, eager_attention_probs, tiny_model
+from calib_helpers import ARCHS, VOCAB, capture_qkv, eager_attention_probs, tiny_model
 
 from oscarkv.calib import calibrate
 from oscarkv.calib.stats import Recorder, capture
