@@ -1,10 +1,16 @@
 """Kernel ops over the paged 2-bit cache. Each op has a PyTorch reference (``reference.py``); the Triton
-implementations run on CUDA, the references on CPU, under the same names (``dispatch.py``)."""
+implementations (and a CUDA C++ decode kernel) run on CUDA, the references on CPU, under the same names
+(``dispatch.py``). Importing this package needs neither Triton nor a GPU."""
 
+from .dispatch import BACKENDS, decode_attention, demote, extend_attention, quantize_write, use_reference
 from .layout import PageFormat, QuantPages, slot_mapping
-from .reference import decode_attention_ref, extend_attention_ref, gather_dequant_ref, quantize_write_ref
+from .plan import DecodePlan
+from .reference import (
+    decode_attention_ref, demote_ref, extend_attention_ref, gather_dequant_ref, quantize_write_ref,
+)
 
 __all__ = [
-    "PageFormat", "QuantPages", "slot_mapping", "quantize_write_ref", "gather_dequant_ref",
-    "decode_attention_ref", "extend_attention_ref",
+    "PageFormat", "QuantPages", "slot_mapping", "DecodePlan", "BACKENDS", "use_reference",
+    "quantize_write", "demote", "decode_attention", "extend_attention",
+    "quantize_write_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref",
 ]

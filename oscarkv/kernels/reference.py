@@ -22,12 +22,16 @@ def quantize_write_ref(
     clip_ratio: float = 0.0,
 ) -> None:
     """Center, rotate, clip, quantize and pack rows ``x`` ``[N, Hkv, d]`` into ``slots`` (int64 ``[N]``,
-    ``page * page_size + row``) of ``pages``, in place.
+    ``page * page_size + row``; a negative slot marks a padding row that is skipped, as in vLLM) of ``pages``,
+    in place.
 
     ``mean``: ``[Hkv, d]`` subtracted first; ``rotation``: ``[d, d]`` or ``[Hkv, d, d]`` applied as ``x @ R``
     in float32. Bit-identical to :func:`oscarkv.quant.quantize` on the rotated rows.
     """
     fmt = pages.fmt
+    keep = slots >= 0
+    if not bool(keep.all()):
+        x, slots = x[keep], slots[keep]
     xf = x.to(torch.float32)
     if mean is not None:
         xf = xf - mean.to(torch.float32)
@@ -41,6 +45,25 @@ def quantize_write_ref(
     pages.codes[page, :, row] = q.packed
     pages.scale[page, :, row] = q.scale
     pages.offset[page, :, row] = q.offset
+
+
+def demote_ref(
+    k_pages: QuantPages,
+    v_pages: QuantPages,
+    k16: Tensor,
+    v16: Tensor,
+    seq_ids: Tensor,
+    src_index: Tensor,
+    slots: Tensor,
+    *,
+    k_clip: float = 0.0,
+    v_clip: float = 0.0,
+) -> None:
+    """Demotion: quantize 16-bit-tier rows ``k16/v16[seq_ids[i], :, src_index[i]]`` (``[B, Hkv, C16, d]``,
+    already centered and rotated) into ``slots[i]`` of the 2-bit pools, in place (no rotation, no centering)."""
+    sid, idx = seq_ids.long(), src_index.long()
+    quantize_write_ref(k_pages, k16[sid, :, idx], slots, clip_ratio=k_clip)
+    quantize_write_ref(v_pages, v16[sid, :, idx], slots, clip_ratio=v_clip)
 
 
 def gather_dequant_ref(pages: QuantPages, block_table: Tensor, b: int, ntok: int) -> Tensor:
@@ -135,4 +158,4 @@ def extend_attention_ref(
     return out
 
 
-__all__ = ["quantize_write_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]
+__all__ = ["quantize_write_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]

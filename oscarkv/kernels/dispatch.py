@@ -1,0 +1,147 @@
+"""One name per kernel op: the Triton (or CUDA C++) kernel on CUDA tensors, the PyTorch reference on CPU.
+
+Ops: :func:`quantize_write`, :func:`demote`, :func:`decode_attention`, :func:`extend_attention`. Each takes a
+``backend`` argument: ``"auto"`` (default: kernels on CUDA when supported, else the reference), ``"reference"``,
+``"triton"`` or, for decode, ``"cuda"`` (the hand-written decode kernel). :func:`use_reference` forces the
+reference inside a ``with`` block (thread- and task-local). No environment variable changes numerics.
+Kernel modules are imported lazily, so this module imports without Triton or a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+from .layout import QuantPages
+from .plan import DecodePlan
+
+BACKENDS = ("auto", "reference", "triton", "cuda")
+_FORCE_REFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("oscarkv_force_reference", default=False)
+
+
+@contextlib.contextmanager
+def use_reference(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, ops with ``backend="auto"`` run the PyTorch reference even on CUDA."""
+    token = _FORCE_REFERENCE.set(enabled)
+    try:
+        yield
+    finally:
+        _FORCE_REFERENCE.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernels_supported(fmt) -> bool:
+    d = fmt.head_dim
+    return fmt.bits == 2 and fmt.groups == 1 and d >= 64 and not d & (d - 1) and fmt.page_size >= 16 \
+        and not fmt.page_size & (fmt.page_size - 1)
+
+
+def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None) -> str:
+    """Resolve ``backend`` to "reference", "triton" or "cuda" for tensors on ``device``; ``supported``: the
+    kernels handle this format (else "auto" falls back to the reference); ``cuda_fmt``: the page format, for
+    ops that have a CUDA C++ kernel."""
+    cuda_ok = cuda_fmt is not None
+    if backend not in BACKENDS or (backend == "cuda" and not cuda_ok):
+        allowed = BACKENDS if cuda_ok else tuple(b for b in BACKENDS if b != "cuda")
+        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
+    if backend != "auto":
+        if backend != "reference" and device.type != "cuda":
+            raise ValueError(f"backend={backend!r} needs CUDA tensors, got {device}; use 'auto' or 'reference'")
+        if backend == "triton" and not triton_available():
+            raise ValueError("backend='triton' needs the triton package: pip install 'oscar-kv[kernels]'")
+        return backend
+    if _FORCE_REFERENCE.get() or device.type != "cuda" or not triton_available() or not supported:
+        return "reference"
+    if cuda_ok:
+        from . import decode_cuda
+
+        if decode_cuda.supported(cuda_fmt):
+            return "cuda"
+    return "triton"
+
+
+def quantize_write(
+    k_pages: QuantPages, v_pages: QuantPages, k: Tensor, v: Tensor, slots: Tensor, *,
+    k_rotation: Tensor | None = None, v_rotation: Tensor | None = None,
+    k_mean: Tensor | None = None, v_mean: Tensor | None = None,
+    k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto",
+) -> None:
+    """Center (``mean [Hkv, d]``), rotate (``x @ R``, ``R [d, d]`` or ``[Hkv, d, d]``), clip, quantize and pack
+    K and V rows ``[N, Hkv, d]`` into ``slots`` ``[N]`` (``page * page_size + row``; negative = skip) of both
+    pools, in place. The kernel path does K and V in one launch."""
+    if _pick(backend, k.device, True) == "reference":
+        ref.quantize_write_ref(k_pages, k, slots, rotation=k_rotation, mean=k_mean, clip_ratio=k_clip)
+        ref.quantize_write_ref(v_pages, v, slots, rotation=v_rotation, mean=v_mean, clip_ratio=v_clip)
+        return
+    from .quantize_triton import quantize_write_triton
+
+    quantize_write_triton(k_pages, v_pages, k, v, slots, k_rotation=k_rotation, v_rotation=v_rotation,
+                          k_mean=k_mean, v_mean=v_mean, k_clip=k_clip, v_clip=v_clip)
+
+
+def demote(
+    k_pages: QuantPages, v_pages: QuantPages, k16: Tensor, v16: Tensor, seq_ids: Tensor, src_index: Tensor,
+    slots: Tensor, *, k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto",
+) -> None:
+    """Demote 16-bit-tier rows ``k16/v16[seq_ids[i], :, src_index[i]]`` to 2-bit ``slots[i]``, in place."""
+    if _pick(backend, k16.device, True) == "reference":
+        ref.demote_ref(k_pages, v_pages, k16, v16, seq_ids, src_index, slots, k_clip=k_clip, v_clip=v_clip)
+        return
+    from .quantize_triton import demote_triton
+
+    demote_triton(k_pages, v_pages, k16, v16, seq_ids, src_index, slots, k_clip=k_clip, v_clip=v_clip)
+
+
+def decode_attention(
+    q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
+    k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
+    plan: DecodePlan | None = None, out: Tensor | None = None, backend: str = "auto",
+) -> Tensor:
+    """One query per sequence (``q [B, Hq, d]``, rotated) over its 16-bit tiers (``k16/v16 [B, Hkv, C16, d]``,
+    ``len16 [B]``) and 2-bit pages (``block_table [B, max_pages]``, ``qlen [B]``, int32). Returns
+    ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths)."""
+    which = _pick(backend, q.device, _kernels_supported(k_pages.fmt), cuda_fmt=k_pages.fmt)
+    if which == "reference":
+        res = ref.decode_attention_ref(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale)
+        if out is None:
+            return res.to(q.dtype)
+        return out.copy_(res)
+    if which == "cuda":
+        from .decode_cuda import decode_attention_cuda as fn
+    else:
+        from .decode_triton import decode_attention_triton as fn
+    return fn(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan, out=out)
+
+
+def extend_attention(
+    q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
+    qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
+    out: Tensor | None = None, backend: str = "auto",
+) -> Tensor:
+    """A chunk of ``T`` new tokens per sequence (``q [B, T, Hq, d]``, ``k_new/v_new [B, T, Hkv, d]``) attends
+    causally to itself and fully to the stored prefix. Returns ``[B, T, Hq, d]`` in q's dtype."""
+    if _pick(backend, q.device, _kernels_supported(k_pages.fmt)) == "reference":
+        res = ref.extend_attention_ref(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
+                                       sm_scale)
+        if out is None:
+            return res.to(q.dtype)
+        return out.copy_(res)
+    from .extend_triton import extend_attention_triton
+
+    return extend_attention_triton(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
+                                   sm_scale, out=out)
+
+
+__all__ = ["BACKENDS", "DecodePlan", "use_reference", "quantize_write", "demote", "decode_attention", "extend_attention",
+           "triton_available"]

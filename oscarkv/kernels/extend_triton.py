@@ -1,0 +1,202 @@
+"""Triton prefill/extend attention over a quantized prefix: the queries of a new chunk attend causally to the
+chunk (16-bit) and fully to the earlier tokens as stored (16-bit tiers + 2-bit pages, unpacked tile by tile in
+registers, never materialised). Flash-attention style online softmax; one program = one (sequence, KV head,
+block of query rows), the rows being (token, query head of the GQA group) pairs, so one unpacked tile serves
+every query head of its KV head. Scale and offset are factored out of the products as in decode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from ._triton_util import check_device, check_pool_strides, interpreting, next_pow2, pool_strides
+from .decode_triton import _fields4
+from .layout import QuantPages
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows fully masked so far stay at zero weight
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
+    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
+    k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
+    T, HKV, sm_scale,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr, F32DOT: tl.constexpr,
+):
+    TOK_M: tl.constexpr = BLOCK_M // G
+    DQ: tl.constexpr = D // 4
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    r = tl.arange(0, BLOCK_M)
+    tq = pid_m * TOK_M + r // G
+    hq = h * G + r % G
+    rmask = (tq < T) & (r < TOK_M * G)
+    qscale = sm_scale * 1.4426950408889634
+    c = tl.arange(0, DQ)
+    dd = tl.arange(0, D)
+    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
+    q = tl.load(qrow + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    q0 = tl.load(qrow + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    q1 = tl.load(qrow + DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    q2 = tl.load(qrow + 2 * DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    q3 = tl.load(qrow + 3 * DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = tl.float16
+    q0 = q0.to(tl.float16).to(DT)
+    q1 = q1.to(tl.float16).to(DT)
+    q2 = q2.to(tl.float16).to(DT)
+    q3 = q3.to(tl.float16).to(DT)
+    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    osum = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, DQ], tl.float32)
+    a1 = tl.zeros([BLOCK_M, DQ], tl.float32)
+    a2 = tl.zeros([BLOCK_M, DQ], tl.float32)
+    a3 = tl.zeros([BLOCK_M, DQ], tl.float32)
+    # 1) the 2-bit pages, one page per step, scale/offset factored out
+    n = tl.arange(0, PS)
+    ntok = tl.load(qlen_ptr + b)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for p in range(0, tl.cdiv(ntok, PS)):
+        page = tl.load(bt_row + p).to(tl.int64)
+        crow = page * s_cp + h * s_ch + n * DQ
+        row = page * s_mp + h * s_mh + n
+        tmask = p * PS + n < ntok
+        k0, k1, k2, k3 = _fields4(tl.load(kc_ptr + crow[:, None] + c[None, :]), ASM)
+        s = tl.dot(q0, tl.trans(k0.to(DT)))
+        s = tl.dot(q1, tl.trans(k1.to(DT)), s)
+        s = tl.dot(q2, tl.trans(k2.to(DT)), s)
+        s = tl.dot(q3, tl.trans(k3.to(DT)), s)
+        ks = tl.load(ks_ptr + row).to(tl.float32)
+        ko = tl.load(ko_ptr + row).to(tl.float32)
+        s = s * ks[None, :] + qsum[:, None] * ko[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
+        vs = tl.load(vs_ptr + row).to(tl.float32)
+        vo = tl.load(vo_ptr + row).to(tl.float32)
+        osum = osum * alpha + tl.sum(pr * vo[None, :], axis=1)
+        vmax = tl.maximum(tl.max(vs, axis=0), 1e-30)
+        pv = (pr * (vs / vmax)[None, :]).to(tl.float16).to(DT)
+        v0, v1, v2, v3 = _fields4(tl.load(vc_ptr + crow[:, None] + c[None, :]), ASM)
+        a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(DT)) * vmax
+        a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(DT)) * vmax
+        a2 = a2 * alpha[:, None] + tl.dot(pv, v2.to(DT)) * vmax
+        a3 = a3 * alpha[:, None] + tl.dot(pv, v3.to(DT)) * vmax
+    # 2) the 16-bit tiers (sink + recent), then 3) the chunk itself, causally; accumulators stay split by
+    # quarter of the head dimension (a_j holds elements j * D/4 + c), like the factored 2-bit products
+    kv = tl.arange(0, BLOCK_N)
+    n16 = tl.load(len16_ptr + b)
+    base16 = b.to(tl.int64) * s16b + h * s16h
+    for t0 in range(0, n16, BLOCK_N):
+        t = t0 + kv
+        tm = t < n16
+        off = base16 + t.to(tl.int64)[:, None] * s16t
+        k = tl.load(k16_ptr + off + dd[None, :], mask=tm[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
+        osum = osum * alpha
+        pr = pr.to(k.dtype).to(DT)
+        a0 = tl.dot(pr, tl.load(v16_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT), a0 * alpha[:, None])
+        a1 = tl.dot(pr, tl.load(v16_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a1 * alpha[:, None])
+        a2 = tl.dot(pr, tl.load(v16_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a2 * alpha[:, None])
+        a3 = tl.dot(pr, tl.load(v16_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a3 * alpha[:, None])
+    basen = b.to(tl.int64) * sn_b + h * sn_h
+    hi = tl.minimum(T, (pid_m + 1) * TOK_M)
+    for t0 in range(0, hi, BLOCK_N):
+        t = t0 + kv
+        tm = t < T
+        off = basen + t.to(tl.int64)[:, None] * sn_t
+        k = tl.load(kn_ptr + off + dd[None, :], mask=tm[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
+        s = tl.where((t[None, :] <= tq[:, None]) & tm[None, :], s, float("-inf"))
+        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
+        osum = osum * alpha
+        pr = pr.to(k.dtype).to(DT)
+        a0 = tl.dot(pr, tl.load(vn_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT), a0 * alpha[:, None])
+        a1 = tl.dot(pr, tl.load(vn_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a1 * alpha[:, None])
+        a2 = tl.dot(pr, tl.load(vn_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a2 * alpha[:, None])
+        a3 = tl.dot(pr, tl.load(vn_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a3 * alpha[:, None])
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    ob = osum[:, None] * inv
+    optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h + c[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(optr, (a0 * inv + ob).to(ty), mask=rmask[:, None])
+    tl.store(optr + DQ, (a1 * inv + ob).to(ty), mask=rmask[:, None])
+    tl.store(optr + 2 * DQ, (a2 * inv + ob).to(ty), mask=rmask[:, None])
+    tl.store(optr + 3 * DQ, (a3 * inv + ob).to(ty), mask=rmask[:, None])
+
+
+def extend_attention_triton(
+    q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
+    qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
+    out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> Tensor:
+    """Chunk attention over a quantized prefix; semantics of
+    :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new
+    ``[B, T, Hkv, d]``; returns ``[B, T, Hq, d]`` (dtype of q unless ``out`` is given)."""
+    B, T, hq, d = q.shape
+    fmt = k_pages.fmt
+    dev = q.device
+    if fmt.bits != 2 or fmt.groups != 1 or v_pages.fmt != fmt:
+        raise ValueError("the Triton extend kernel supports bits=2, one group per row, equal K/V formats: "
+                         "use the reference (backend='reference')")
+    if d != fmt.head_dim or hq % fmt.num_kv_heads or d < 64 or d & (d - 1):
+        raise ValueError(f"q {tuple(q.shape)} vs pages (d={fmt.head_dim}, Hkv={fmt.num_kv_heads}): the kernel "
+                         "needs d a power of two >= 64 and Hq a multiple of Hkv")
+    if k_new.shape != (B, T, fmt.num_kv_heads, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new/v_new must be [{B}, {T}, {fmt.num_kv_heads}, {d}], got {tuple(k_new.shape)}")
+    if fmt.page_size < 16 or fmt.page_size & (fmt.page_size - 1):
+        raise ValueError(f"the kernel needs a power-of-two page_size >= 16, got {fmt.page_size}")
+    for name, t in (("block_table", block_table), ("qlen", qlen), ("len16", len16), ("k16", k16),
+                    ("k_new", k_new)):
+        check_device(name, t, dev)
+    check_pool_strides(k_pages, v_pages, dev)
+    if k16.stride(3) != 1 or v16.stride() != k16.stride() or k_new.stride(3) != 1 or v_new.stride() != k_new.stride():
+        raise ValueError("k16/v16 and k_new/v_new must have unit last stride and equal strides")
+    g = hq // fmt.num_kv_heads
+    if g > block_m:
+        raise ValueError(f"GQA group {g} larger than block_m {block_m}")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(B, T, hq, d, dtype=q.dtype, device=dev)
+    tok_m = block_m // g
+    grid = (triton.cdiv(T, tok_m), B * fmt.num_kv_heads)
+    _extend_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2), k_new, v_new, k_new.stride(0), k_new.stride(1),
+        k_new.stride(2), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale,
+        v_pages.offset, *pool_strides(k_pages), block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0), k16.stride(1),
+        k16.stride(2), len16, out, out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
+        float(d**-0.5 if sm_scale is None else sm_scale),
+        G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interpreting(),
+        F32DOT=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+__all__ = ["extend_attention_triton"]

@@ -1,0 +1,117 @@
+"""``DecodePlan``: split-K geometry and preallocated workspace for decode attention (pure PyTorch, no Triton).
+
+Plan once per decode step (host integers only, no device synchronisation), run the kernels once per layer.
+The workspace is sized for the largest batch and context at construction, so a plan can be captured inside a
+CUDA graph: a replay reads sequence lengths and block tables from device memory, never from the host.
+
+Splits of one (sequence, KV head): ``num_qsplits`` ranges of ``pages_per_split`` 2-bit pages, then
+``num_splits16`` ranges of ``tokens16_per_split`` 16-bit-tier tokens. Each writes a partial output normalised
+by its own softmax sum and its log-sum-exp (base 2); one merge kernel combines them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@dataclass
+class DecodePlan:
+    """Split counts and workspace for :func:`oscarkv.kernels.decode_attention`.
+
+    Args:
+        max_batch: most sequences per call.
+        num_q_heads, num_kv_heads, head_dim: attention geometry (``num_q_heads % num_kv_heads == 0``).
+        page_size: tokens per 2-bit page.
+        max_pages: width of the block table (most 2-bit pages of one sequence).
+        max_len16: capacity ``C16`` of the 16-bit tier buffer.
+        device: where the workspace lives.
+        block_n: tokens per kernel iteration (a multiple of ``page_size`` or a divisor of it, at least 16).
+        programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count.
+
+    Call :meth:`update` each step with the batch size and (optionally) the longest 2-bit tier in the batch; the
+    result is deterministic in those two integers, so a CUDA graph captured for a (batch, max_tokens) bucket
+    stays valid for every step inside that bucket.
+    """
+
+    max_batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_pages: int
+    max_len16: int
+    device: torch.device | str = "cpu"
+    block_n: int | None = None
+    programs_per_sm: int = 4
+    tokens16_per_split: int = 128
+    num_sms: int | None = None
+    # filled by __post_init__ / update
+    o_part: Tensor = field(init=False, repr=False)
+    lse_part: Tensor = field(init=False, repr=False)
+    batch: int = field(init=False, default=0)
+    pages_per_split: int = field(init=False, default=1)
+    num_qsplits: int = field(init=False, default=1)
+    num_splits16: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads {self.num_q_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        for name in ("max_batch", "page_size", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.device = torch.device(self.device)
+        if self.block_n is None:
+            self.block_n = max(16, self.page_size)
+        bn, ps = self.block_n, self.page_size
+        if bn < 16 or (bn % ps and ps % bn):
+            raise ValueError(f"block_n {bn} must be >= 16 and a multiple or divisor of page_size {ps}")
+        if self.num_sms is None:
+            self.num_sms = _num_sms(self.device)
+        self.num_splits16 = math.ceil(self.max_len16 / self.tokens16_per_split) if self.max_len16 else 0
+        cap = self._splits_for(1, self.max_pages * ps)[1] + self.num_splits16
+        self.max_splits = max(1, cap)
+        self.o_part = torch.empty(self.max_batch, self.num_q_heads, self.max_splits, self.head_dim,
+                                  dtype=torch.float32, device=self.device)
+        self.lse_part = torch.empty(self.max_batch, self.num_q_heads, self.max_splits, dtype=torch.float32,
+                                    device=self.device)
+        self.update(self.max_batch)
+
+    def _splits_for(self, batch: int, max_tokens: int) -> tuple[int, int]:
+        """(pages_per_split, num_qsplits) for ``batch`` sequences of at most ``max_tokens`` 2-bit tokens."""
+        ps, bn = self.page_size, self.block_n
+        pages = max(1, math.ceil(max_tokens / ps))
+        want = max(1, math.ceil(self.programs_per_sm * self.num_sms / (batch * self.num_kv_heads)))
+        pps = math.ceil(pages / min(want, pages))
+        step = max(1, bn // ps)  # a split covers whole kernel iterations
+        pps = math.ceil(pps / step) * step
+        return pps, math.ceil(pages / pps)
+
+    def update(self, batch: int, max_tokens: int | None = None) -> "DecodePlan":
+        """Set the split geometry for a step of ``batch`` sequences whose 2-bit tiers hold at most
+        ``max_tokens`` tokens (default: the block table's capacity). Host arithmetic only."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"batch {batch} outside [1, max_batch={self.max_batch}]")
+        cap = self.max_pages * self.page_size
+        max_tokens = cap if max_tokens is None else min(int(max_tokens), cap)
+        self.batch = batch
+        self.pages_per_split, self.num_qsplits = self._splits_for(batch, max_tokens)
+        if self.num_qsplits + self.num_splits16 > self.max_splits:  # more splits for a smaller batch than at 1
+            self.pages_per_split, self.num_qsplits = self._splits_for(1, cap)
+        return self
+
+    @property
+    def num_splits(self) -> int:
+        return self.num_qsplits + self.num_splits16
+
+
+__all__ = ["DecodePlan"]

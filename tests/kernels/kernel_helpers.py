@@ -1,0 +1,53 @@
+"""Builders of random paged caches for the kernel tests (tiny on CPU, real shapes on the GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oscarkv.kernels.layout import PageFormat, QuantPages
+from oscarkv.kernels.reference import quantize_write_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "kernel output has NaN/Inf"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
+    """A pool filled with random bytes, so unwritten or misaddressed slots show up in comparisons."""
+    pages = QuantPages.allocate(fmt, num_pages, device)
+    pages.codes.random_(0, 256)
+    pages.scale.copy_(torch.randn_like(pages.scale, dtype=torch.float32))
+    pages.offset.copy_(torch.randn_like(pages.offset, dtype=torch.float32))
+    return pages
+
+
+def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.float16, device=DEVICE,
+                k_clip=0.96, v_clip=0.92, extra_pages=3):
+    """Random rotated-basis cache: 2-bit pages of ``lens[b]`` tokens (shuffled page ids, poisoned spare pages),
+    16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q."""
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    maxp = max(1, max(math.ceil(n / page_size) for n in lens))
+    total = sum(math.ceil(n / page_size) for n in lens) + extra_pages
+    kp, vp = poisoned_pages(fmt, total, device), poisoned_pages(fmt, total, device)
+    perm = torch.randperm(total, device=device)
+    bt = torch.full((B, maxp), total - 1, dtype=torch.int32, device=device)
+    at = 0
+    for b, n in enumerate(lens):
+        npg = math.ceil(n / page_size)
+        bt[b, :npg] = perm[at:at + npg].int()
+        at += npg
+        if n:
+            pos = torch.arange(n, device=device)
+            slots = bt[b, pos // page_size].long() * page_size + pos % page_size
+            scale_k = torch.rand(1, hkv, d, device=device) * 3
+            quantize_write_ref(kp, torch.randn(n, hkv, d, device=device) * scale_k, slots, clip_ratio=k_clip)
+            quantize_write_ref(vp, torch.randn(n, hkv, d, device=device), slots, clip_ratio=v_clip)
+    k16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
+    v16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return kp, vp, bt, as_i32(lens), k16, v16, as_i32(lens16)

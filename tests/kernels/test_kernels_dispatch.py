@@ -1,0 +1,61 @@
+"""Dispatch layer: the reference on CPU (identical results), the switch that forces it, argument checks, and
+the import layering (no Triton, transformers or engine needed to import the kernels package)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_helpers import DEVICE, build_cache
+
+from oscarkv import kernels
+from oscarkv.kernels import reference as ref
+from oscarkv.kernels.dispatch import _pick
+
+
+def test_cpu_ops_are_the_reference():
+    args = build_cache(2, 2, 4, 64, 16, [20, 35], [3, 0], 4, device="cpu")
+    q = torch.randn(2, 8, 64)
+    out = kernels.decode_attention(q, *args)
+    assert torch.equal(out, ref.decode_attention_ref(q, *args).to(q.dtype))
+    qe, kn, vn = torch.randn(2, 5, 8, 64), torch.randn(2, 5, 2, 64), torch.randn(2, 5, 2, 64)
+    out = kernels.extend_attention(qe, kn, vn, *args)
+    assert torch.equal(out, ref.extend_attention_ref(qe, kn, vn, *args).to(qe.dtype))
+    kp, vp = args[0], args[1]
+    kr = kernels.QuantPages(kp.codes.clone(), kp.scale.clone(), kp.offset.clone(), kp.fmt)
+    x = torch.randn(6, 2, 64)
+    slots = torch.tensor([0, 5, -1, 7, 9, 11])
+    kernels.quantize_write(kp, vp, x, x, slots, k_clip=0.9)
+    ref.quantize_write_ref(kr, x, slots, clip_ratio=0.9)
+    assert torch.equal(kp.codes, kr.codes) and torch.equal(kp.scale, kr.scale)
+
+
+def test_backend_selection():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _pick("auto", cpu, True) == "reference"
+    assert _pick("reference", cuda, True) == "reference"
+    with pytest.raises(ValueError, match="backend must be"):
+        _pick("fast", cpu, True)
+    with pytest.raises(ValueError, match="backend must be"):
+        _pick("cuda", cuda, True)  # only decode has a CUDA C++ kernel
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        _pick("triton", cpu, True)
+    assert _pick("auto", cuda, False) == "reference"  # a format the kernels do not handle
+    with kernels.use_reference():
+        assert _pick("auto", cuda, True) == "reference"
+    if DEVICE.type == "cuda":
+        assert _pick("auto", cuda, True) == "triton"
+
+
+def test_import_layering():
+    """kernels imports without triton and never pulls in transformers or the engine."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, oscarkv.kernels as k\n"
+        "from oscarkv.kernels import dispatch, plan, layout, reference\n"
+        "bad = [m for m in sys.modules if m.startswith(('transformers', 'oscarkv.engine', 'oscarkv.hf'))]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
