@@ -1,0 +1,86 @@
+"""The method registry: names, suffixes, nominal bits, and what each method resolves to."""
+
+import pytest
+import torch
+
+from oscarkv import methods
+from oscarkv.artifact import Calibration, ModelIdentity
+from oscarkv.config import ConfigError, QuantSpec
+from oscarkv.rotation import hadamard
+
+IDENT = ModelIdentity("llama", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256)
+
+
+def _calib(**spec) -> Calibration:
+    c = Calibration.identity(IDENT, QuantSpec(**{"k_clip": 0.9, "v_clip": 0.8, **spec}), clip=0.9)
+    c.mu_k.normal_()
+    c.mu_v.normal_()
+    c.r_k.copy_(hadamard(64))  # a recognisable non-identity "calibrated" rotation
+    c.k_clip.fill_(0.93)
+    c.v_clip.fill_(0.91)
+    return c
+
+
+def test_names_and_suffix():
+    assert {"bf16", "oscar", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar-nowindow",
+            "oscar-hadamard", "oscar-gram"} <= set(methods.METHODS)
+    assert all(n + "-nocenter" in methods.names() for n in methods.METHODS)
+    m = methods.get("oscar-nocenter")
+    assert m.name == "oscar-nocenter" and not m.centering and methods.get("oscar").centering
+    with pytest.raises(ConfigError, match="valid methods"):
+        methods.get("oscar2")
+
+
+@pytest.mark.parametrize("name,d,bits", [("naive-int2", 64, 2.5), ("quarot-int2", 128, 2.25),
+                                         ("int4-hadamard", 128, 4.25), ("kivi-2", 64, 2.75), ("bf16", 64, 16.0),
+                                         ("oscar", 128, 2.25), ("oscar", 64, 2.5)])
+def test_nominal_bits(name, d, bits):
+    assert methods.get(name).bits_per_element(d) == pytest.approx(bits)
+
+
+def test_resolve_oscar_uses_calibration():
+    c = _calib(sink=16, window=32, page_size=16, group_size=32)
+    r = methods.resolve("oscar", c)
+    assert (r.sink, r.window, r.unit, r.page_size, r.group_size, r.bits) == (16, 32, 16, 16, 32, 2)
+    lr = r.layers[1]
+    assert torch.equal(lr.r_k[0], hadamard(64)) and torch.equal(lr.mu_v, c.mu_v[1])
+    assert (lr.k_clip, lr.v_clip) == (pytest.approx(0.93), pytest.approx(0.91))
+    assert methods.resolve("oscar-nocenter", c).layers[0].mu_k is None
+
+
+def test_resolve_baselines():
+    c = _calib()
+    naive = methods.resolve("naive-int2", c)
+    assert (naive.sink, naive.window, naive.unit) == (0, 0, 1)
+    assert naive.layers[0].r_k is None and naive.layers[0].k_clip == 0.0 and naive.layers[0].mu_k is not None
+    quarot = methods.resolve("quarot-int2-nocenter", c)
+    assert torch.equal(quarot.layers[0].r_v[1], hadamard(64)) and quarot.layers[0].mu_v is None
+    kivi = methods.resolve("kivi-2", c)
+    assert (kivi.sink, kivi.window, kivi.unit, kivi.key_layout) == (0, 128, 32, "channel")
+    int4 = methods.resolve("int4-hadamard", c)
+    assert (int4.bits, int4.sink, int4.window) == (4, 0, 0)
+    had = methods.resolve("oscar-hadamard", c)
+    assert (had.layers[0].k_clip, had.layers[0].v_clip) == (0.96, 0.92) and had.window == c.spec.window
+    nowin = methods.resolve("oscar-nowindow", c)
+    assert (nowin.sink, nowin.window, nowin.unit) == (0, 0, 1) and nowin.layers[0].k_clip == pytest.approx(0.93)
+    bf16 = methods.resolve("bf16", c)
+    assert not bf16.quantized and bf16.layers[0].r_v is None and bf16.layers[0].mu_v is None
+
+
+def test_gram_method_needs_gram_calibration():
+    with pytest.raises(ConfigError, match="target 'gram'"):
+        methods.resolve("oscar-gram", _calib())
+    assert methods.resolve("oscar-gram", _calib(target="gram")).quantized
+
+
+def test_head_granularity_passes_through():
+    c = Calibration.identity(IDENT, QuantSpec(granularity="head", k_clip=0.0, v_clip=0.0))
+    c.r_k[:, 1] = hadamard(64)
+    r = methods.resolve("oscar-nocenter", c)
+    assert torch.equal(r.layers[0].r_k[1], hadamard(64)) and torch.equal(r.layers[0].r_k[0], torch.eye(64))
+
+
+def test_zero_means_warn():
+    c = Calibration.identity(IDENT)
+    with pytest.warns(UserWarning, match="means are all zero"):
+        methods.resolve("naive-int2", c)
