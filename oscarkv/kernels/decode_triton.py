@@ -151,10 +151,11 @@ def _decode_2bit(
         tmask = p * PS + n < tok_hi
         kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
         vc = tl.load(vc_ptr + crow[:, None] + c[None, :])
-        ks = tl.load(ks_ptr + mrow).to(tl.float32)
-        ko = tl.load(ko_ptr + mrow).to(tl.float32)
-        vs = tl.load(vs_ptr + mrow).to(tl.float32)
-        vo = tl.load(vo_ptr + mrow).to(tl.float32)
+        # rows past the sequence end hold stale bytes (maybe NaN metadata): masked loads give zeros
+        ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        ko = tl.load(ko_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        vo = tl.load(vo_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         k0, k1, k2, k3 = _fields4(kc, ASM)
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3, MMA)
         if QSPLIT:

@@ -18,11 +18,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
-    """A pool filled with random bytes, so unwritten or misaddressed slots show up in comparisons."""
+    """A pool filled with random bytes (metadata included, so NaN and Inf too), so that unwritten, misaddressed
+    or insufficiently masked slots show up in comparisons."""
     pages = QuantPages.allocate(fmt, num_pages, device)
-    pages.codes.random_(0, 256)
-    pages.scale.copy_(torch.randn_like(pages.scale, dtype=torch.float32))
-    pages.offset.copy_(torch.randn_like(pages.offset, dtype=torch.float32))
+    for t in (pages.codes, pages.scale, pages.offset):
+        t.view(torch.uint8).random_(0, 256)
     return pages
 
 

@@ -27,7 +27,8 @@ def test_cpu_ops_are_the_reference():
     slots = torch.tensor([0, 5, -1, 7, 9, 11])
     kernels.quantize_write(kp, vp, x, x, slots, k_clip=0.9)
     ref.quantize_write_ref(kr, x, slots, clip_ratio=0.9)
-    assert torch.equal(kp.codes, kr.codes) and torch.equal(kp.scale, kr.scale)
+    assert torch.equal(kp.codes, kr.codes)
+    assert torch.equal(kp.scale.view(torch.int16), kr.scale.view(torch.int16))  # poisoned slots may hold NaN
 
 
 def test_backend_selection():

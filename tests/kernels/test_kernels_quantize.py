@@ -24,10 +24,15 @@ def _cpu_copy(pages):
     return type(pages)(pages.codes.cpu(), pages.scale.cpu(), pages.offset.cpu(), pages.fmt)
 
 
+def _bits(t):
+    return t.cpu().contiguous().view(torch.uint8)
+
+
 def _assert_same(a, b):
-    assert torch.equal(a.codes.cpu(), b.codes), "codes differ"
-    assert torch.equal(a.scale.cpu(), b.scale), "scales differ"
-    assert torch.equal(a.offset.cpu(), b.offset), "offsets differ"
+    """Bit-for-bit equality of whole pools (poisoned bytes included, so NaN compares by its bits)."""
+    assert torch.equal(_bits(a.codes), _bits(b.codes)), "codes differ"
+    assert torch.equal(_bits(a.scale), _bits(b.scale)), "scales differ"
+    assert torch.equal(_bits(a.offset), _bits(b.offset)), "offsets differ"
 
 
 def _slots(n, fmt, num_pages):
