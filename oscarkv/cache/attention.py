@@ -5,7 +5,7 @@ of :func:`oscarkv.kernels.reference.extend_attention_ref` plus a mask on the chu
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -48,27 +48,36 @@ def scores(q: Tensor, k: Tensor, scaling: float, softcap: float | None = None) -
 
 def chunk_attention(
     q: Tensor,
-    prefix: Iterable[tuple[Tensor, Tensor]],
+    prefix: Callable[[], Iterable[tuple[Tensor, Tensor]]],
     k_new: Tensor,
     v_new: Tensor,
     self_mask: Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    block: int = 512,
 ) -> Tensor:
     """One sequence: queries ``q`` ``[Hkv, g, T, d]`` (float32, rotated) attend to every stored prefix piece
-    ``(k, v)`` ``[Hkv, n, d]`` and to the chunk's own ``k_new``/``v_new`` ``[Hkv, T, d]`` under ``self_mask``
-    ``[T, T]`` bool (True = attend; ``None`` = causal). Returns ``[Hkv, g, T, d]`` float32."""
+    ``(k, v)`` ``[Hkv, n, d]`` yielded by ``prefix()`` and to the chunk's own ``k_new``/``v_new``
+    ``[Hkv, T, d]`` under ``self_mask`` ``[T, T]`` bool (True = attend; ``None`` = causal). Queries go
+    ``block`` rows at a time, so scores stay bounded; ``prefix()`` is called once per block. Returns
+    ``[Hkv, g, T, d]`` float32."""
     H, g, T, d = q.shape
-    qr = q.reshape(H, g * T, d)
-    acc = OnlineSoftmax((H, g * T), d, q.device)
-    for k, v in prefix:
-        acc.add(scores(qr, k, scaling, softcap), v)
-    if self_mask is None:
-        self_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s = scores(qr, k_new, scaling, softcap).view(H, g, T, T)
-    s = s.masked_fill(~self_mask, float("-inf")).view(H, g * T, T)
-    acc.add(s, v_new)
-    return acc.result().view(H, g, T, d)
+    out = torch.empty(H, g, T, d, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        nb = t1 - t0
+        qr = q[:, :, t0:t1].reshape(H, g * nb, d)
+        acc = OnlineSoftmax((H, g * nb), d, q.device)
+        for k, v in prefix():
+            acc.add(scores(qr, k, scaling, softcap), v)
+        if self_mask is None:
+            m = torch.arange(t1, device=q.device)[None] <= torch.arange(t0, t1, device=q.device)[:, None]
+        else:
+            m = self_mask[t0:t1, :t1]
+        s = scores(qr, k_new[:, :t1], scaling, softcap).view(H, g, nb, t1)
+        acc.add(s.masked_fill(~m, float("-inf")).view(H, g * nb, t1), v_new[:, :t1])
+        out[:, :, t0:t1] = acc.result().view(H, g, nb, d)
+    return out
 
 
 __all__ = ["OnlineSoftmax", "chunk_attention", "scores"]

@@ -12,6 +12,8 @@ Left padding is supported: padding tokens are never stored, so every sequence of
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -147,7 +149,7 @@ class OscarLayer(CacheLayerMixin):
         out = torch.empty(B, plan.num_kv_heads, plan.groups, T, d, dtype=torch.float32, device=query.device)
         for b in range(B):
             sm = None if self_masks is None else self_masks[b]
-            out[b] = chunk_attention(q[b], self.store.prefix(b), k[b], v[b], sm, scaling, softcap)
+            out[b] = chunk_attention(q[b], partial(self.store.prefix, b), k[b], v[b], sm, scaling, softcap)
         for b in range(B):
             keep = slice(None) if valid is None else valid[b]
             self.store.append(b, k[b][:, keep], v[b][:, keep])

@@ -103,7 +103,8 @@ def test_chunk_attention_merges_pieces_exactly():
     q = torch.randn(H, 3, 4, D, generator=g)  # 3 query heads per KV head, 4 new tokens
     pieces = [(torch.randn(H, n, D, generator=g), torch.randn(H, n, D, generator=g)) for n in (5, 0, 9)]
     kn, vn = torch.randn(H, 4, D, generator=g), torch.randn(H, 4, D, generator=g)
-    out = chunk_attention(q, iter(pieces), kn, vn, None, scaling=0.3)
+    out = chunk_attention(q, lambda: iter(pieces), kn, vn, None, scaling=0.3)
+    torch.testing.assert_close(chunk_attention(q, lambda: iter(pieces), kn, vn, None, scaling=0.3, block=3), out)
     K = torch.cat([p[0] for p in pieces] + [kn], 1).double()
     V = torch.cat([p[1] for p in pieces] + [vn], 1).double()
     s = torch.einsum("hgtd,hnd->hgtn", q.double(), K) * 0.3
@@ -114,4 +115,4 @@ def test_chunk_attention_merges_pieces_exactly():
     # a fully masked query row (left padding) gives zeros, not NaN
     m = torch.zeros(4, 4, dtype=torch.bool)
     m[1:] = True
-    assert torch.equal(chunk_attention(q, iter([]), kn, vn, m, 0.3)[:, :, 0], torch.zeros(H, 3, D))
+    assert torch.equal(chunk_attention(q, lambda: iter([]), kn, vn, m, 0.3, block=2)[:, :, 0], torch.zeros(H, 3, D))
