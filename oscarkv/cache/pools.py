@@ -34,7 +34,7 @@ class TokenPool:
     def __init__(self, fmt: PageFormat, clip: float, batch_size: int, device: torch.device | str):
         self.fmt, self.clip = fmt, float(clip)
         self.pages = QuantPages.allocate(fmt, 0, device)
-        self.block_table = torch.zeros(batch_size, 0, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(batch_size, 1, dtype=torch.int32, device=device)
         self.qlen = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._n = [0] * batch_size
         self._owned: list[list[int]] = [[] for _ in range(batch_size)]

@@ -22,7 +22,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("oscarkv.hf needs transformers: pip install 'oscar-kv[hf]'") from e
 
-from ..cache import Bytes, LayerStore, build_store, chunk_attention
+from ..cache import Bytes, LayerStore, TokenPool, build_store, chunk_attention
 from .prepare import ATTN_NAME, PLAN_ATTR, Applied, LayerPlan
 
 
@@ -49,9 +49,9 @@ class OscarLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, plan: LayerPlan, window_dtype: torch.dtype):
+    def __init__(self, plan: LayerPlan, window_dtype: torch.dtype, kernel_backend: str | None = None):
         super().__init__()
-        self.plan, self.window_dtype = plan, window_dtype
+        self.plan, self.window_dtype, self.kernel_backend = plan, window_dtype, kernel_backend
         self.store: LayerStore | None = None
         self.timeline = 0  # positions seen, padding included (what masks and position ids count)
         self._pending: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
@@ -146,16 +146,40 @@ class OscarLayer(CacheLayerMixin):
         k = plan.rotate_keys(k_raw)
         v = v_raw.to(torch.float32)
         valid, self_masks = self._chunk_masks(mask, B, T, query.device)
-        out = torch.empty(B, plan.num_kv_heads, plan.groups, T, d, dtype=torch.float32, device=query.device)
-        for b in range(B):
-            sm = None if self_masks is None else self_masks[b]
-            out[b] = chunk_attention(q[b], partial(self.store.prefix, b), k[b], v[b], sm, scaling, softcap)
+        if self._kernels_apply(query, valid, softcap):
+            res = self._attend_kernels(q, k, v, scaling)
+        else:
+            out = torch.empty(B, plan.num_kv_heads, plan.groups, T, d, dtype=torch.float32, device=query.device)
+            for b in range(B):
+                sm = None if self_masks is None else self_masks[b]
+                out[b] = chunk_attention(q[b], partial(self.store.prefix, b), k[b], v[b], sm, scaling, softcap)
+            res = out.reshape(B, Hq, T, d).transpose(1, 2)
         for b in range(B):
             keep = slice(None) if valid is None else valid[b]
             self.store.append(b, k[b][:, keep], v[b][:, keep])
         self.timeline += T
         self._pending = None
-        return out.reshape(B, Hq, T, d).transpose(1, 2).to(query.dtype)
+        return res.to(query.dtype)
+
+    def _kernels_apply(self, query: Tensor, valid: Tensor | None, softcap: float | None) -> bool:
+        """Use ``oscarkv.kernels.dispatch.extend_attention``: on CUDA (or when a backend is forced), for
+        per-token 2-bit pools, no soft-capping and a chunk without padding."""
+        st = self.store
+        if self.kernel_backend is None and not query.is_cuda:
+            return False
+        return (isinstance(st.k_pool, TokenPool) and st.k_pool.fmt == st.v_pool.fmt and softcap is None
+                and (valid is None or bool(valid.all())) and st.k_pool._owned == st.v_pool._owned)
+
+    def _attend_kernels(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
+        """The kernels' extend op over this layer's pools: q ``[B, Hkv, g, T, d]`` -> ``[B, T, Hq, d]``."""
+        from ..kernels import dispatch
+
+        B, H, g, T, d = q.shape
+        st, kp = self.store, self.store.k_pool
+        return dispatch.extend_attention(
+            q.reshape(B, H * g, T, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kp.pages,
+            st.v_pool.pages, kp.block_table, kp.qlen, st.k16, st.v16, st.len16, scaling,
+            backend=self.kernel_backend or "auto").float()
 
     def _chunk_masks(self, mask: Tensor | None, B: int, T: int, device) -> tuple[Tensor | None, Tensor | None]:
         """Validity of the chunk's tokens ``[B, T]`` and the masks among them ``[B, T, T]`` from the 4D mask
@@ -193,15 +217,19 @@ def _plain_layer(config, i: int):
 class OscarCache(Cache):
     """The transformers cache for a model prepared by :func:`oscarkv.hf.apply` (build it with
     ``handle.cache()`` or :meth:`from_calibration`). Full-attention layers are :class:`OscarLayer`;
-    sliding-window layers keep transformers' bounded 16-bit layer."""
+    sliding-window layers keep transformers' bounded 16-bit layer.
 
-    def __init__(self, handle: Applied, window_dtype: torch.dtype | None = None):
+    ``kernel_backend``: ``None`` (default) runs the chunked PyTorch attention on CPU and
+    ``oscarkv.kernels.dispatch.extend_attention`` (Triton on supported formats) on CUDA; a dispatch backend
+    name ("reference", "triton", ...) forces the dispatch path (tests)."""
+
+    def __init__(self, handle: Applied, window_dtype: torch.dtype | None = None, kernel_backend: str | None = None):
         if not isinstance(handle, Applied) or not handle.active:
             raise TypeError("OscarCache needs an active handle from oscarkv.hf.apply(model, calibration, method)")
         self.handle = handle
         dtype16 = window_dtype or handle.window_dtype
         cfg = handle.model.config.get_text_config(decoder=True)
-        layers = [OscarLayer(handle.plans[i], dtype16) if i in handle.plans else _plain_layer(cfg, i)
+        layers = [OscarLayer(handle.plans[i], dtype16, kernel_backend) if i in handle.plans else _plain_layer(cfg, i)
                   for i in range(cfg.num_hidden_layers)]
         super().__init__(layers=layers)
 

@@ -214,7 +214,7 @@ class Applied:
     def active(self) -> bool:
         return getattr(self.model, HANDLE_ATTR, None) is self
 
-    def cache(self, window_dtype: torch.dtype | None = None):
+    def cache(self, window_dtype: torch.dtype | None = None, kernel_backend: str | None = None):
         """A fresh, empty :class:`~oscarkv.hf.cache.OscarCache` for this model and method."""
         from .cache import OscarCache
 
@@ -223,7 +223,7 @@ class Applied:
                                "use oscarkv.hf.apply for generation with a cache")
         if not self.active:
             raise RuntimeError("this handle was restored; apply OSCAR again to build a cache")
-        return OscarCache(self, window_dtype=window_dtype)
+        return OscarCache(self, window_dtype=window_dtype, kernel_backend=kernel_backend)
 
     new_cache = cache
 

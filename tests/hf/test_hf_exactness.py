@@ -113,3 +113,21 @@ def test_store_layout_matches_kernel_reference():
         plan.rotate_queries(q).reshape(2, 4, 4, 16).transpose(1, 2), plan.rotate_keys(k).transpose(1, 2),
         v.transpose(1, 2), kp.pages, vp.pages, table, qlen, k16, v16, len16, dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_dispatch_path_equals_chunked_path(monkeypatch):
+    """The glue to oscarkv.kernels.dispatch.extend_attention (used on CUDA), run with the reference backend."""
+    from oscarkv.kernels import dispatch
+
+    calls = []
+    real = dispatch.extend_attention
+    monkeypatch.setattr(dispatch, "extend_attention", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    model = tiny_model("qwen2")
+    calib = random_calibration(model, spec(sink=4, window=8, page_size=4), clip=(0.9, 0.9))
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    with ohf.apply(model, calib, "oscar", window_dtype=torch.float32) as h:
+        a = decode_logits(model, ids, h.cache(), prompt_len=20, chunk=3)
+        assert not calls
+        b = decode_logits(model, ids, h.cache(kernel_backend="reference"), prompt_len=20, chunk=3)
+    assert calls and set(calls) == {"reference"}
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
