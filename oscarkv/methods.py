@@ -181,6 +181,9 @@ def resolve(method: str | Method, calibration: Calibration) -> Recipe:
             f"method {m.name!r} needs a calibration with target {m.target!r}, this one has {spec.target!r}; "
             f"run `oscarkv calibrate` with target: {m.target}"
         )
+    if calibration.layer_formats is not None and any(calibration.layer_formats):
+        raise ConfigError("the calibration selects per-layer formats (layer_formats); the cache stores one format "
+                          "for every layer: recalibrate without per-layer formats")
     if m.quantized and m.bits is None and spec.quantizer != "uniform":
         raise ConfigError(f"the cache implements the uniform quantizer only; calibration has {spec.quantizer!r}")
     if m.centering and m.quantized and _zero_means(calibration):

@@ -84,3 +84,12 @@ def test_zero_means_warn():
     c = Calibration.identity(IDENT)
     with pytest.warns(UserWarning, match="means are all zero"):
         methods.resolve("naive-int2", c)
+
+
+def test_per_layer_formats_are_refused():
+    c = _calib()
+    c.layer_formats = [{"bits": 4}, {}]
+    with pytest.raises(ConfigError, match="per-layer formats"):
+        methods.resolve("oscar", c)
+    c.layer_formats = [{}, {}]
+    assert methods.resolve("oscar", c).quantized
