@@ -1,5 +1,206 @@
-"""Placeholder: the CUDA C++ decode kernel is not built yet."""
+"""CUDA C++ decode kernel (``csrc/decode_int2.cu``): build with nvcc into a cubin (cached on disk), load and
+launch it through the CUDA driver API with ctypes on torch's current stream (so CUDA graphs capture it).
+
+No PyTorch extension build is needed: the kernel takes one plain-old-data parameter block. Semantics, plan and
+workspace are those of :func:`oscarkv.kernels.decode_triton.decode_attention_triton`; the Triton kernel stays
+the portable path (and the one the CPU interpreter tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .layout import PageFormat, QuantPages
+from .plan import DecodePlan
+
+_SRC = Path(__file__).parent / "csrc" / "decode_int2.cu"
+_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_NW = 4
 
 
-def supported(fmt) -> bool:
-    return False
+def _cache_dir() -> Path:
+    """Where built cubins are kept: ``$OSCARKV_CUBIN_CACHE`` or ``~/.cache/oscarkv/cubin`` (a location only)."""
+    return Path(os.environ.get("OSCARKV_CUBIN_CACHE", Path.home() / ".cache" / "oscarkv" / "cubin"))
+
+
+@functools.lru_cache(maxsize=1)
+def nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def supported(fmt: PageFormat) -> bool:
+    """Formats the CUDA kernel handles (2-bit, one group per row, d 64/128/256, page a multiple of 16)."""
+    return (fmt.bits == 2 and fmt.groups == 1 and fmt.head_dim in (64, 128, 256) and fmt.page_size % 16 == 0
+            and (nvcc() is not None or any(_cache_dir().glob("*.cubin"))))
+
+
+def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: int, arch: int = 90) -> tuple:
+    minb = 4 if d <= 128 else 2
+    return (("D_", d), ("GQ_", g), ("PS_", page), ("NW_", _NW), ("QT_", _DT[q_dtype]), ("T16_", _DT[dtype16]),
+            ("MT_", _DT[meta_dtype] if meta_dtype != torch.float32 else 0), ("MINB_", minb), ("PART_", part),
+            ("ARCH", arch))
+
+
+def build(key: tuple) -> Path:
+    """Compile one configuration to a cubin (or reuse the cached one); returns its path."""
+    src = _SRC.read_bytes()
+    digest = hashlib.sha256(src + repr(key).encode()).hexdigest()[:20]
+    out = _cache_dir() / f"decode_{digest}.cubin"
+    if out.exists():
+        return out
+    exe = nvcc()
+    if exe is None:
+        raise RuntimeError("the CUDA decode kernel needs nvcc (CUDA toolkit) or a prebuilt cubin cache")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    arch = dict(key)["ARCH"]
+    defs = [f"-D{k}={v}" for k, v in key if k != "ARCH"]
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [exe, f"-arch=sm_{arch}", "-O3", "-std=c++17", "-cubin", *defs, "-o", str(tmp), str(_SRC)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+    tmp.replace(out)
+    return out
+
+
+class _Driver:
+    """The few CUDA driver entry points needed, through ctypes."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def check(self, res: int, what: str) -> None:
+        if res != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(res, ctypes.byref(msg))
+            raise RuntimeError(f"{what} failed: CUDA error {res} ({(msg.value or b'?').decode()})")
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> _Driver:
+    return _Driver()
+
+
+@functools.lru_cache(maxsize=64)
+def _functions(key: tuple, device_index: int) -> tuple[int, int]:
+    torch.cuda.init()
+    with torch.cuda.device(device_index):
+        torch.empty(1, device="cuda")  # make the primary context current on this thread
+        drv = _driver()
+        image = build(key).read_bytes()
+        mod = ctypes.c_void_p()
+        drv.check(drv.lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
+        fns = []
+        for name in (b"oscar_decode_split", b"oscar_decode_merge"):
+            fn = ctypes.c_void_p()
+            drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name), "cuModuleGetFunction")
+            fns.append(fn.value)
+        return fns[0], fns[1]
+
+
+def _struct(name: str, fields: list[tuple[str, object]]):
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+_P_FIELDS = ([(n, ctypes.c_uint64) for n in "q kc vc ks ko vs vo bt qlen k16 v16 len16 o_part lse_part".split()]
+             + [(n, ctypes.c_int64) for n in ("sq_b sq_h s_cp s_ch s_mp s_mh s_bt s16_b s16_h s16_t so_b so_h so_s "
+                                               "sl_b sl_h hkv tok_per_split num_qsplits tok16_per_split").split()]
+             + [("sm_scale_log2", ctypes.c_double), ("magic", ctypes.c_int64)])
+_Params = _struct("_Params", _P_FIELDS)
+_MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
+    (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
+
+
+def _launch(fn: int, grid: tuple[int, int], block: int, params: ctypes.Structure, stream: int) -> None:
+    drv = _driver()
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    res = drv.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, block, 1, 1, 0, stream, args, None)
+    drv.check(res, "cuLaunchKernel")
+
+
+def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
+    from .decode_triton import _check_decode
+
+    _check_decode(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
+    fmt = k_pages.fmt
+    if not supported(fmt):
+        raise ValueError(f"the CUDA decode kernel does not support {fmt}: use backend='triton' or 'reference'")
+    if k16.dtype not in (torch.float16, torch.bfloat16) or q.dtype not in _DT:
+        raise ValueError(f"k16/v16 must be float16 or bfloat16 (got {k16.dtype}); q float32/16 (got {q.dtype})")
+    if any(s % 8 for s in k16.stride()[:3]) or k16.data_ptr() % 16 or v16.data_ptr() % 16:
+        raise ValueError("k16/v16 rows must be 16-byte aligned (strides multiple of 8 elements)")
+    if fmt.row_bytes * fmt.page_size % 16 or k_pages.codes.stride(1) % 16 or k_pages.codes.stride(0) % 16:
+        raise ValueError("code pages must be 16-byte aligned")
+
+
+def decode_attention_cuda(
+    q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
+    k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
+    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool = False,
+) -> Tensor:
+    """Decode attention with the CUDA C++ kernel; arguments and result as
+    :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
+    groups go to the Triton kernel). ``fused``: both tiers in one launch (else one launch per tier)."""
+    B, hq, d = q.shape
+    fmt = k_pages.fmt
+    g = hq // fmt.num_kv_heads
+    if g > 8:
+        from .decode_triton import decode_attention_triton
+
+        return decode_attention_triton(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale,
+                                       plan=plan, out=out)
+    if plan is None:
+        plan = DecodePlan(B, hq, fmt.num_kv_heads, d, fmt.page_size, block_table.shape[1], k16.shape[2],
+                          device=q.device)
+    _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
+    if out.dtype not in _DT or out.shape != (B, hq, d) or out.stride(2) != 1:
+        raise ValueError(f"out must be [{B}, {hq}, {d}] float32/float16/bfloat16 with unit last stride")
+    o, lse = plan.o_part, plan.lse_part
+    scale = float(d**-0.5 if sm_scale is None else sm_scale) * 1.4426950408889634
+    p = _Params(
+        q.data_ptr(), k_pages.codes.data_ptr(), v_pages.codes.data_ptr(), k_pages.scale.data_ptr(),
+        k_pages.offset.data_ptr(), v_pages.scale.data_ptr(), v_pages.offset.data_ptr(), block_table.data_ptr(),
+        qlen.data_ptr(), k16.data_ptr(), v16.data_ptr(), len16.data_ptr(), o.data_ptr(), lse.data_ptr(),
+        q.stride(0), q.stride(1), k_pages.codes.stride(0), k_pages.codes.stride(1), k_pages.scale.stride(0),
+        k_pages.scale.stride(1), block_table.stride(0), k16.stride(0), k16.stride(1), k16.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), fmt.num_kv_heads,
+        plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split, scale, 0x64006400,
+    )
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    parts = [(0, plan.num_splits)] if fused else [(1, plan.num_qsplits), (2, plan.num_splits16)]
+    for part, nsplit in parts:
+        if nsplit == 0:
+            continue
+        key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part)
+        split_fn, _ = _functions(key, dev)
+        _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream)
+    _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0]), dev)
+    mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
+                      lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])
+    _launch(merge_fn, (B * hq, 1), d, mp, stream)
+    return out
+
+
+__all__ = ["decode_attention_cuda", "supported", "build", "config_key", "nvcc"]

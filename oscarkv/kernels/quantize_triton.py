@@ -1,11 +1,12 @@
 """Triton kernels: center, rotate, clip, quantize and pack K and V rows straight into their page slots (one
 launch for both), and the demotion of 16-bit rows to 2-bit pages.
 
-Bit-exact with :func:`oscarkv.quant.quantize` (method section 3): exact per-row clip threshold (an order
-statistic found by a bitwise binary search over the float bits of ``|x|``), correctly rounded float32 divisions (``div_rn``), metadata rounded to nearest even, codes
-computed from the stored metadata. With a fused rotation the float32 rows come from an IEEE float32 ``tl.dot``
-whose summation order differs from torch's: the codes are then bit-exact with ``quantize()`` of the rows the
-kernel computed (``debug_rows`` exposes them); see docs/kernels.md.
+Bit-exact with :func:`oscarkv.quant.quantize` (method section 3): the per-row clip threshold is the exact order
+statistic (a bitwise binary search over the float bits of ``|x|``), divisions are correctly rounded
+(``div_rn``), metadata is rounded to nearest even, codes are computed from the stored metadata. With a fused
+rotation the float32 rows come from a ``tf32x3`` dot (float32-level accuracy, but not torch's summation
+order): the codes are then bit-exact with ``quantize()`` of the rows the kernel computed, which
+``debug_rows`` exposes (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _quant_rows(
             xin = xin - tl.load(mean_ptr + h * D + k, mask=kmask, other=0.0)[None, :]
         r = tl.load(rot_ptr + h * s_rot_h + k[:, None] * D + e[None, :], mask=kmask[:, None] & cmask[None, :],
                     other=0.0)
-        x = tl.dot(xin, r, input_precision="ieee")
+        x = tl.dot(xin, r, input_precision="tf32x3")  # ~float32 accuracy on tensor cores
     else:
         x = tl.load(x_ptr + xbase[:, None] + e[None, :] * sxd, mask=valid[:, None] & cmask[None, :], other=0.0)
         x = x.to(tl.float32)
@@ -200,7 +201,7 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         for t in (kdbg, vdbg):
             if t.shape != (n, hkv, d) or t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError(f"debug_rows must be two contiguous float32 [{n}, {hkv}, {d}] tensors")
-    block_r = 16
+    block_r = 64 if (k_rotation is not None or v_rotation is not None) else 32
     grid = (triton.cdiv(n, block_r), hkv, 2)
     cs, ms = k_pages.codes.stride(), k_pages.scale.stride()
     _quantize_kv_kernel[grid](

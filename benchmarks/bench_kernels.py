@@ -1,0 +1,272 @@
+"""Kernel benchmarks on a CUDA GPU: decode attention (2-bit cache, CUDA C++ and Triton kernels) against BF16
+decode with torch SDPA (cuDNN backend), quantize/pack/write, and prefill over a quantized prefix against BF16
+SDPA. Qwen3-8B attention shapes (32 query / 8 KV heads, d = 128), page 64, sink 64 + window 256 in 16-bit.
+
+Every timed call runs from a captured CUDA graph, with the L2 cache flushed (a 256 MiB write) before each
+replay; the median of the replays is reported. Bandwidth counts the bytes the kernel must read from the
+cache's own tensors (codes, scales, offsets, 16-bit tiers, block table, queries) plus its output.
+
+    python benchmarks/bench_kernels.py --out docs/results/kernels_h200.json --git-sha $(git rev-parse HEAD)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from oscarkv.kernels.layout import PageFormat, QuantPages  # noqa: E402
+from oscarkv.kernels.plan import DecodePlan  # noqa: E402
+
+HQ, HKV, D, PS, W16 = 32, 8, 128, 64, 320
+READ_CEILING_TBS = 4.7
+
+
+def provenance(git_sha: str) -> dict:
+    import triton
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return {"gpu": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "git_sha": git_sha, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+_FLUSH = None
+
+
+def timeit(fn, reps: int = 30, graph: bool = True) -> float:
+    """Median milliseconds of ``fn`` (replayed from a CUDA graph) with a cold L2 before each replay."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(reps):
+        _FLUSH.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def make_cache(batch: int, ctx: int, seed: int = 0):
+    """Random 2-bit pages + 16-bit tiers for ``batch`` sequences of ``ctx`` tokens (ctx - 320 in 2-bit)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n2 = max(0, ctx - W16)
+    npg = math.ceil(n2 / PS)
+    fmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
+    kp, vp = QuantPages.allocate(fmt, batch * npg, "cuda"), QuantPages.allocate(fmt, batch * npg, "cuda")
+    for t in (kp, vp):
+        t.codes.random_(0, 256, generator=g)
+        t.scale.copy_(torch.rand(t.scale.shape, device="cuda", generator=g) * 0.1 + 0.01)
+        t.offset.copy_(torch.randn(t.offset.shape, device="cuda", generator=g) * 0.1)
+    bt = torch.randperm(batch * npg, device="cuda", generator=g).int().view(batch, npg)
+    qlen = torch.full((batch,), n2, dtype=torch.int32, device="cuda")
+    k16 = torch.randn(batch, HKV, W16, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v16 = torch.randn(batch, HKV, W16, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    len16 = torch.full((batch,), min(ctx, W16), dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, kp, vp, bt, qlen, k16, v16, len16, n2
+
+
+def decode_bytes(batch: int, n2: int, n16: int) -> int:
+    per_tok2 = 2 * HKV * (D // 4 + 2 * 2)  # K and V: codes + fp16 scale + fp16 offset
+    per_tok16 = 2 * HKV * D * 2
+    return batch * (n2 * per_tok2 + n16 * per_tok16 + 4 * math.ceil(n2 / PS) + 2 * 2 * HQ * D)
+
+
+def bench_sdpa_decode(batch: int, ctx: int) -> float:
+    """BF16 decode with SDPA on the cuDNN backend; GQA as g query rows per KV head (no KV duplication)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HKV, HQ // HKV, D, device="cuda", dtype=torch.bfloat16)
+
+    def fn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    t = timeit(fn)
+    del k, v
+    return t
+
+
+def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dict:
+    from oscarkv.kernels.decode_cuda import decode_attention_cuda
+    from oscarkv.kernels.decode_triton import decode_attention_triton
+
+    q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx)
+    nbytes = decode_bytes(batch, n2, min(ctx, W16))
+    row = {"batch": batch, "context": ctx, "tokens_2bit": n2, "bytes": nbytes}
+    out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    for impl in impls:
+        name, _, opt = impl.partition(":")
+        plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
+                          programs_per_sm=int(opt) if opt.isdigit() else 4).update(batch)
+        try:
+            if name == "cuda":
+                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa
+            elif name == "cudafused":
+                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
+                                                   fused=True)
+            else:  # triton, triton:nw
+                nw = int(opt) if opt.isdigit() else 4
+                plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
+                fn = lambda: decode_attention_triton(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan,  # noqa
+                                                     out=out, num_warps=nw)
+            ms = timeit(fn)
+            row[impl] = {"ms": ms, "TBps": nbytes / ms / 1e9, "splits": plan.num_splits}
+        except Exception as e:  # report and keep going: one failing variant must not hide the others
+            row[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    del q, kp, vp, bt, k16, v16
+    torch.cuda.empty_cache()
+    if with_sdpa:
+        try:
+            row["sdpa_bf16_ms"] = bench_sdpa_decode(batch, ctx)
+        except Exception as e:
+            row["sdpa_bf16_ms"] = None
+            row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_quantize(n: int, rotate: bool) -> dict:
+    from oscarkv.kernels.quantize_triton import quantize_write_triton
+
+    fmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
+    kp, vp = QuantPages.allocate(fmt, n // PS + 1, "cuda"), QuantPages.allocate(fmt, n // PS + 1, "cuda")
+    k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm((n // PS + 1) * PS, device="cuda")[:n]
+    r = torch.linalg.qr(torch.randn(D, D, device="cuda"))[0] if rotate else None
+    mu = torch.randn(HKV, D, device="cuda") if rotate else None
+    fn = lambda: quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_mean=mu, v_mean=mu,  # noqa
+                                       k_clip=0.96, v_clip=0.92)
+    ms = timeit(fn)
+    nbytes = 2 * n * HKV * (D * 2 + D // 4 + 4) + n * 8
+    return {"rows": n, "rotate": rotate, "ms": ms, "bytes": nbytes, "TBps": nbytes / ms / 1e9}
+
+
+def bench_extend(prefix: int, chunk: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from oscarkv.kernels.extend_triton import extend_attention_triton
+
+    q0, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(1, prefix)
+    q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vn = torch.randn_like(kn)
+    res = {"prefix": prefix, "chunk": chunk}
+    for bm, bn, nw in ((64, 64, 4), (128, 64, 8)):
+        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, block_m=bm,  # noqa
+                                             block_n=bn, num_warps=nw)
+        try:
+            res[f"ours_bm{bm}_nw{nw}_ms"] = timeit(fn, reps=10)
+        except Exception as e:
+            res[f"ours_bm{bm}_nw{nw}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    qs = q.transpose(1, 2)
+    ks = torch.randn(1, HKV, prefix + chunk, D, device="cuda", dtype=torch.bfloat16)
+    vs = torch.randn_like(ks)
+    for name, backends in (("sdpa_cudnn_ms", [SDPBackend.CUDNN_ATTENTION]), ("sdpa_flash_ms", [SDPBackend.FLASH_ATTENTION])):
+        def fn():
+            with sdpa_kernel(backends):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+        try:
+            res[name] = timeit(fn, reps=10)
+        except Exception as e:
+            res[name.replace("_ms", "_error")] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Provenance: {json.dumps(res['provenance'])}", "",
+             "| context | batch | ours ms | TB/s | % of 4.7 | BF16 cuDNN ms | speed-up | Triton ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    best = res.get("best_impl", "cuda")
+    for row in res["decode"]:
+        o = row.get(best, {})
+        if "ms" not in o:
+            continue
+        t = row.get("triton", {}).get("ms")
+        sd = row.get("sdpa_bf16_ms")
+        sd_s = "n/a" if sd is None else f"{sd:.4f}"
+        up = "" if not sd else f"{sd / o['ms']:.2f}x"
+        tr = "" if t is None else f"{t:.4f}"
+        pct = 100 * o["TBps"] / READ_CEILING_TBS
+        lines.append(f"| {row['context']} | {row['batch']} | {o['ms']:.4f} | {o['TBps']:.2f} | {pct:.0f}% | "
+                     f"{sd_s} | {up} | {tr} |")
+    for qrow in res.get("quantize", []):
+        lines.append(f"\nquantize_write {qrow['rows']} rows x 8 heads, K+V, rotate={qrow['rotate']}: "
+                     f"{qrow['ms']:.4f} ms, {qrow['TBps']:.2f} TB/s")
+    for e in res.get("extend", []):
+        lines.append(f"\nextend prefix {e['prefix']} chunk {e['chunk']}: " + json.dumps(e))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs/results/kernels_h200.json")
+    ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,81920,131072")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--impls", default="cuda,triton")
+    ap.add_argument("--best", default="cuda")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,quantize,extend")
+    ap.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 baseline exceeds this")
+    args = ap.parse_args()
+    res = {"provenance": provenance(args.git_sha), "best_impl": args.best, "decode": [], "quantize": [],
+           "extend": [], "read_ceiling_TBps": READ_CEILING_TBS}
+    skip = set(args.skip.split(","))
+    if "decode" not in skip:
+        for ctx in map(int, args.contexts.split(",")):
+            for bs in map(int, args.batches.split(",")):
+                bf16_gb = bs * ctx * HKV * D * 2 * 2 / 1e9
+                row = bench_decode(bs, ctx, args.impls.split(","), with_sdpa=bf16_gb <= args.max_gb)
+                res["decode"].append(row)
+                print(json.dumps(row), flush=True)
+    if "quantize" not in skip:
+        for rot in (False, True):
+            res["quantize"].append(bench_quantize(32768, rot))
+            print(json.dumps(res["quantize"][-1]), flush=True)
+    if "extend" not in skip:
+        res["extend"].append(bench_extend(32768, 2048))
+        print(json.dumps(res["extend"][-1]), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

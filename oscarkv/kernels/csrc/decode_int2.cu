@@ -1,0 +1,531 @@
+// OSCAR 2-bit paged decode attention, CUDA C++ (sm_80+, mma.sync m16n8k16 + movmatrix).
+//
+// One CTA = one (split, sequence, KV head); its NW warps take 16-token chunks of the split in turn and keep
+// their own online softmax; the CTA merges its warps and writes one partial output + log-sum-exp (base 2) per
+// query head; a second kernel merges the splits. Layout: oscarkv/kernels/layout.py; design: docs/kernels.md.
+//
+// 2-bit splits. S^T[tok, head] = K[tok, :] . Q'^T with K = the codes themselves (the A operand, unpacked
+// straight into mma fragments: one prmt + one lop3 per two codes, the code ORed into the mantissa of 1024.0
+// "in place", i.e. field j contributes 1024 + 4^j c), Q' = q * scale * log2(e) / 4^j (the B operand, built
+// once), so logit = s_t (S - 1024 sum Q') + o_t sum q. The GQA heads are the mma's N = 8 columns.
+// O^T[d, head] += V^T[d, tok] . P'^T[tok, head] with P' = p * s_v / v_ref (movmatrix turns the S^T
+// accumulator into the B fragment) and V^T the exact codes (4^j c, one extra sub.f16x2 per two codes);
+// the offsets enter through sum_t p_t o_t. 16-bit splits: the same structure on the bf16/fp16 tiers, with
+// q split into high and low 16-bit parts.
+//
+// Compile-time constants (nvcc -D...): D_ head_dim (64/128/256), GQ_ heads per KV head (1..8), PS_ page size
+// (multiple of 16), NW_ warps per CTA, QT_ query dtype (0 f32, 1 f16, 2 bf16), T16_ 16-bit tier dtype
+// (1 f16, 2 bf16), MT_ metadata dtype (1 f16, 2 bf16, 0 f32).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#ifndef D_
+#define D_ 128
+#endif
+#ifndef GQ_
+#define GQ_ 4
+#endif
+#ifndef PS_
+#define PS_ 64
+#endif
+#ifndef NW_
+#define NW_ 4
+#endif
+#ifndef QT_
+#define QT_ 2
+#endif
+#ifndef T16_
+#define T16_ 2
+#endif
+#ifndef MT_
+#define MT_ 1
+#endif
+
+constexpr int D = D_, GQ = GQ_, PS = PS_, NW = NW_;
+constexpr int KS = D / 16;   // k-steps of the QK product, m-tiles of the PV product
+constexpr int RB = D / 4;    // bytes per packed row
+constexpr int BPT = D / 16;  // K bytes per thread per token (A fragment: 4 threads share a row)
+constexpr int WPT = BPT / 4; // ... in 32-bit words (D = 64 -> 1)
+constexpr int BPV = D / 32;  // V bytes per thread per token (8 threads share a row)
+static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+static_assert(GQ >= 1 && GQ <= 8, "at most 8 query heads per KV head");
+static_assert(PS % 16 == 0, "page size must be a multiple of 16");
+
+struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is trivial
+  uint64_t q, kc, vc, ks, ko, vs, vo, bt, qlen, k16, v16, len16, o_part, lse_part;
+  int64_t sq_b, sq_h, s_cp, s_ch, s_mp, s_mh, s_bt, s16_b, s16_h, s16_t;
+  int64_t so_b, so_h, so_s, sl_b, sl_h, hkv, tok_per_split, num_qsplits, tok16_per_split;
+  double sm_scale_log2;
+  int64_t magic;  // 0x64006400 (float16 1024.0 twice), passed at run time so it stays in a register
+};
+
+#if MT_ == 1
+typedef __half meta_t;
+__device__ __forceinline__ float meta_f(meta_t x) { return __half2float(x); }
+#elif MT_ == 2
+typedef __nv_bfloat16 meta_t;
+__device__ __forceinline__ float meta_f(meta_t x) { return __bfloat162float(x); }
+#else
+typedef float meta_t;
+__device__ __forceinline__ float meta_f(meta_t x) { return x; }
+#endif
+
+#if QT_ == 0
+typedef float q_t;
+__device__ __forceinline__ float q_f(q_t x) { return x; }
+#elif QT_ == 1
+typedef __half q_t;
+__device__ __forceinline__ float q_f(q_t x) { return __half2float(x); }
+#else
+typedef __nv_bfloat16 q_t;
+__device__ __forceinline__ float q_f(q_t x) { return __bfloat162float(x); }
+#endif
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t movtrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <bool BF>
+__device__ __forceinline__ void mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint32_t b0, uint32_t b1) {
+  if constexpr (BF) mma_bf16(c, a0, a1, a2, a3, b0, b1); else mma_f16(c, a0, a1, a2, a3, b0, b1);
+}
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_b2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <bool BF>
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) { return BF ? pack_b2(lo, hi) : pack_h2(lo, hi); }
+__device__ __forceinline__ uint32_t hsub1024(uint32_t x) {  // exact: (1024 + m c) - 1024 in both halves
+  __half2 h = __hsub2(*reinterpret_cast<__half2*>(&x), __half2(__float2half(1024.f), __float2half(1024.f)));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+// (x & mask) | magic in one LOP3 (the compiler splits it in two when both are immediates)
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t field16(uint32_t x, uint32_t magic) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "n"(MASK), "r"(magic));
+  return r;
+}
+__device__ __forceinline__ uint32_t fieldj(uint32_t x, int j, uint32_t magic) {  // j folds after unrolling
+  switch (j) {
+    case 0: return field16<0x00030003u>(x, magic);
+    case 1: return field16<0x000c000cu>(x, magic);
+    case 2: return field16<0x00300030u>(x, magic);
+    default: return field16<0x00c000c0u>(x, magic);
+  }
+}
+
+__device__ __forceinline__ float warp_max8(float x) {  // max over the 8 lanes that share lane & 3
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float warp_sum8(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+// Loads of one 16-token chunk for the 2-bit path (register prefetch of the next chunk).
+struct Chunk2 {
+  uint32_t k[2][WPT > 0 ? WPT : 1];  // tokens gid, gid + 8: bytes [tig * BPT, +BPT)
+  uint32_t v[4][BPV >= 4 ? BPV / 4 : 1];  // tokens 2tig, 2tig+1, 2tig+8, 2tig+9: bytes [gid * BPV, +BPV)
+  float ks[2], ko[2], vs[2], vo[2];
+};
+
+__device__ __forceinline__ void load_chunk2(Chunk2& c, const Params& p, int64_t page, int row0, int ntok_left,
+                                            int h, int gid, int tig) {
+  const uint8_t* kb = reinterpret_cast<const uint8_t*>(p.kc) + page * p.s_cp + h * p.s_ch + (int64_t)row0 * RB;
+  const uint8_t* vb = reinterpret_cast<const uint8_t*>(p.vc) + page * p.s_cp + h * p.s_ch + (int64_t)row0 * RB;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* src = kb + (gid + 8 * r) * RB + tig * BPT;
+    if constexpr (WPT == 1) c.k[r][0] = *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (WPT == 2) { uint2 w = *reinterpret_cast<const uint2*>(src); c.k[r][0] = w.x; c.k[r][1] = w.y; }
+    if constexpr (WPT == 4) {
+      uint4 w = *reinterpret_cast<const uint4*>(src);
+      c.k[r][0] = w.x; c.k[r][1] = w.y; c.k[r][2] = w.z; c.k[r][3] = w.w;
+    }
+  }
+  const int toks[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* src = vb + toks[i] * RB + gid * BPV;
+    if constexpr (BPV == 2) c.v[i][0] = *reinterpret_cast<const uint16_t*>(src);
+    if constexpr (BPV == 4) c.v[i][0] = *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (BPV == 8) { uint2 w = *reinterpret_cast<const uint2*>(src); c.v[i][0] = w.x; c.v[i][1] = w.y; }
+  }
+  const meta_t* ksb = reinterpret_cast<const meta_t*>(p.ks) + page * p.s_mp + h * p.s_mh + row0;
+  const meta_t* kob = reinterpret_cast<const meta_t*>(p.ko) + page * p.s_mp + h * p.s_mh + row0;
+  const meta_t* vsb = reinterpret_cast<const meta_t*>(p.vs) + page * p.s_mp + h * p.s_mh + row0;
+  const meta_t* vob = reinterpret_cast<const meta_t*>(p.vo) + page * p.s_mp + h * p.s_mh + row0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = gid + 8 * r;
+    const bool ok = t < ntok_left;  // rows past the sequence end may hold stale (even NaN) metadata
+    c.ks[r] = ok ? meta_f(ksb[t]) : 0.f;
+    c.ko[r] = ok ? meta_f(kob[t]) : 0.f;
+    c.vs[r] = ok ? meta_f(vsb[t]) : 0.f;
+    c.vo[r] = ok ? meta_f(vob[t]) : 0.f;
+  }
+}
+
+// Per-warp online-softmax state: heads 2tig, 2tig+1 of the C fragments; O^T rows (d) per m-tile.
+struct State {
+  float m[2], l[2], acc[KS][4];
+};
+
+__device__ __forceinline__ void softmax_update(State& st, float (&s)[4], bool& rescale, float (&alpha)[2]) {
+  float mx0 = warp_max8(fmaxf(s[0], s[2]));
+  float mx1 = warp_max8(fmaxf(s[1], s[3]));
+  float mn0 = fmaxf(st.m[0], mx0), mn1 = fmaxf(st.m[1], mx1);
+  alpha[0] = ex2(st.m[0] - mn0);  // m = -inf at start: ex2(-inf) = 0
+  alpha[1] = ex2(st.m[1] - mn1);
+  rescale = (mn0 > st.m[0]) || (mn1 > st.m[1]);
+  st.m[0] = mn0; st.m[1] = mn1;
+  s[0] = ex2(s[0] - mn0); s[1] = ex2(s[1] - mn1); s[2] = ex2(s[2] - mn0); s[3] = ex2(s[3] - mn1);
+  st.l[0] = st.l[0] * alpha[0] + s[0] + s[2];
+  st.l[1] = st.l[1] * alpha[1] + s[1] + s[3];
+}
+
+__device__ __forceinline__ void rescale_acc(State& st, const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      st.acc[mt][0] *= alpha[0]; st.acc[mt][1] *= alpha[1]; st.acc[mt][2] *= alpha[0]; st.acc[mt][3] *= alpha[1];
+    }
+  }
+}
+
+// d index of O^T row (m-tile mt, row gid + 8 r) in the 2-bit path
+__device__ __forceinline__ int d_of_v2(int mt, int gid, int r) {
+  constexpr int H = BPV / 2;  // m-tiles per field
+  return gid * BPV + 2 * (mt % H) + r + RB * (mt / H);
+}
+// d index of QK column (k-step s, column 2tig + e + 8 hi) in the 2-bit path
+__device__ __forceinline__ int d_of_k2(int s, int tig, int e, int hi) {
+  constexpr int W = WPT;
+  return tig * BPT + 4 * (s % W) + 2 * hi + e + RB * (s / W);
+}
+
+struct Q2 {  // per-warp constants of the 2-bit path
+  uint32_t qb[KS][2];
+  float bias[2], qsum[2], iv;
+  uint32_t magic;
+};
+
+__device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State& st, float (&osum)[2], int left,
+                                           int gid) {
+  // ---- S^T = K Q'^T (codes biased by 1024, field j scaled by 4^j: both folded into Q' and the bias)
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int s_ = 0; s_ < KS; ++s_) {
+    const int j = s_ / WPT, wi = s_ % WPT;
+    const uint32_t lo0 = __byte_perm(cur.k[0][wi], 0, 0x4140), hi0 = __byte_perm(cur.k[0][wi], 0, 0x4342);
+    const uint32_t lo1 = __byte_perm(cur.k[1][wi], 0, 0x4140), hi1 = __byte_perm(cur.k[1][wi], 0, 0x4342);
+    mma_f16(s, fieldj(lo0, j, q.magic), fieldj(lo1, j, q.magic), fieldj(hi0, j, q.magic), fieldj(hi1, j, q.magic),
+            q.qb[s_][0], q.qb[s_][1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = i >> 1, e = i & 1;
+    const float logit = cur.ks[r] * (s[i] - q.bias[e]) + cur.ko[r] * q.qsum[e];
+    s[i] = (gid + 8 * r) < left ? logit : -INFINITY;
+  }
+  float alpha[2];
+  bool resc;
+  softmax_update(st, s, resc, alpha);
+  osum[0] = osum[0] * alpha[0] + s[0] * cur.vo[0] + s[2] * cur.vo[1];
+  osum[1] = osum[1] * alpha[1] + s[1] * cur.vo[0] + s[3] * cur.vo[1];
+  rescale_acc(st, alpha);
+  const float v0 = cur.vs[0] * q.iv, v1 = cur.vs[1] * q.iv;
+  const uint32_t pb0 = movtrans(pack_h2(s[0] * v0, s[1] * v0));
+  const uint32_t pb1 = movtrans(pack_h2(s[2] * v1, s[3] * v1));
+  // ---- O^T += V^T P'^T, V^T from the codes of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9), exact (4^j c)
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    constexpr int H = BPV / 2;
+    const int j = mt / H, q2 = mt % H;  // field, pair of bytes (2 q2, 2 q2 + 1) of the thread's slice
+    uint32_t a[4];
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const int wv = (2 * q2) / 4, sel = ((2 * q2) % 4) ? 0x7632 : 0x5410;
+      const uint32_t x = BPV == 2 ? (cur.v[2 * pr][0] | (cur.v[2 * pr + 1][0] << 16))
+                                  : __byte_perm(cur.v[2 * pr][wv], cur.v[2 * pr + 1][wv], sel);
+      a[2 * pr] = hsub1024(fieldj(x, j, q.magic));
+      a[2 * pr + 1] = hsub1024(fieldj(x >> 8, j, q.magic));
+    }
+    mma_f16(st.acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+  }
+}
+
+__device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vref, int b, int h, int lo, int hi,
+                         int warp, int gid, int tig) {
+  // Q' fragments: b0/b1 of k-step s for head gid; per-head sums for heads 2tig, 2tig+1
+  const q_t* qrow = reinterpret_cast<const q_t*>(p.q) + b * p.sq_b + (int64_t)(h * GQ + gid) * p.sq_h;
+  const float sc = (float)p.sm_scale_log2;
+  Q2 q;
+  q.magic = (uint32_t)p.magic;
+  float bias_part = 0.f, qsum_part = 0.f;
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    const float inv4 = 1.f / float(1 << (2 * (s / WPT)));
+#pragma unroll
+    for (int hi2 = 0; hi2 < 2; ++hi2) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[e] = gid < GQ ? q_f(qrow[d_of_k2(s, tig, e, hi2)]) * sc * inv4 : 0.f;
+        v[e] = __half2float(__float2half_rn(v[e]));
+        bias_part += v[e];
+        qsum_part += v[e] / inv4;
+      }
+      q.qb[s][hi2] = pack_h2(v[0], v[1]);
+    }
+  }
+  bias_part += __shfl_xor_sync(0xffffffffu, bias_part, 1);
+  bias_part += __shfl_xor_sync(0xffffffffu, bias_part, 2);
+  qsum_part += __shfl_xor_sync(0xffffffffu, qsum_part, 1);
+  qsum_part += __shfl_xor_sync(0xffffffffu, qsum_part, 2);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    q.bias[e] = 1024.f * __shfl_sync(0xffffffffu, bias_part, (2 * tig + e) * 4);
+    q.qsum[e] = __shfl_sync(0xffffffffu, qsum_part, (2 * tig + e) * 4);
+  }
+  const int32_t* bt = reinterpret_cast<const int32_t*>(p.bt) + b * p.s_bt;
+  int t0 = lo + 16 * warp;
+  if (t0 >= hi) return;
+  Chunk2 ca, cb;  // ping-pong register buffers: the next chunk's loads are in flight during this one's math
+  load_chunk2(ca, p, bt[t0 / PS], t0 % PS, hi - t0, h, gid, tig);
+  {  // reference V scale: keeps p * s_v / v_ref inside float16's normal range
+    const float vm = warp_max8(fmaxf(ca.vs[0], ca.vs[1]));
+    vref = (vm > 0.f && vm < 3.0e38f) ? vm : 1.f;
+    q.iv = 1.f / vref;
+  }
+  while (true) {
+    const int t1 = t0 + 16 * NW;
+    if (t1 < hi) load_chunk2(cb, p, bt[t1 / PS], t1 % PS, hi - t1, h, gid, tig);
+    chunk_2bit(q, ca, st, osum, hi - t0, gid);
+    if (t1 >= hi) break;
+    const int t2 = t1 + 16 * NW;
+    if (t2 < hi) load_chunk2(ca, p, bt[t2 / PS], t2 % PS, hi - t2, h, gid, tig);
+    chunk_2bit(q, cb, st, osum, hi - t1, gid);
+    if (t2 >= hi) break;
+    t0 = t2;
+  }
+}
+
+template <bool BF>
+__device__ void run_16bit(const Params& p, State& st, int b, int h, int lo, int hi, int warp, int gid, int tig) {
+  typedef typename std::conditional<BF, __nv_bfloat16, __half>::type t16;
+  const q_t* qrow = reinterpret_cast<const q_t*>(p.q) + b * p.sq_b + (int64_t)(h * GQ + gid) * p.sq_h;
+  const float sc = (float)p.sm_scale_log2;
+  constexpr int HPT = D / 4;  // halves of a K row per thread (tig slice)
+  uint32_t qh[KS][2], ql[KS][2];
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+#pragma unroll
+    for (int hi2 = 0; hi2 < 2; ++hi2) {
+      float v[2], r[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        v[e] = gid < GQ ? q_f(qrow[tig * HPT + 4 * s + 2 * hi2 + e]) * sc : 0.f;
+        const float rounded = BF ? __bfloat162float(__float2bfloat16_rn(v[e])) : __half2float(__float2half_rn(v[e]));
+        r[e] = v[e] - rounded;
+        v[e] = rounded;
+      }
+      qh[s][hi2] = pack16<BF>(v[0], v[1]);
+      ql[s][hi2] = pack16<BF>(r[0], r[1]);
+    }
+  const t16* kb = reinterpret_cast<const t16*>(p.k16) + b * p.s16_b + h * p.s16_h;
+  const t16* vb = reinterpret_cast<const t16*>(p.v16) + b * p.s16_b + h * p.s16_h;
+  for (int t0 = lo + 16 * warp; t0 < hi; t0 += 16 * NW) {
+    const int left = hi - t0;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    uint4 kr[2][HPT / 8];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bool ok = gid + 8 * r < left;
+      const uint4* src = reinterpret_cast<const uint4*>(kb + (int64_t)(t0 + gid + 8 * r) * p.s16_t + tig * HPT);
+#pragma unroll
+      for (int i = 0; i < HPT / 8; ++i) kr[r][i] = ok ? src[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < KS; ++s_) {
+      const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&kr[0][0]);
+      const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&kr[1][0]);
+      mma16<BF>(s, k0[2 * s_], k1[2 * s_], k0[2 * s_ + 1], k1[2 * s_ + 1], qh[s_][0], qh[s_][1]);
+      mma16<BF>(s, k0[2 * s_], k1[2 * s_], k0[2 * s_ + 1], k1[2 * s_ + 1], ql[s_][0], ql[s_][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = (gid + 8 * (i >> 1)) < left ? s[i] : -INFINITY;
+    float alpha[2];
+    bool resc;
+    softmax_update(st, s, resc, alpha);
+    rescale_acc(st, alpha);
+    const uint32_t pb0 = movtrans(pack16<BF>(s[0], s[1]));
+    const uint32_t pb1 = movtrans(pack16<BF>(s[2], s[3]));
+    constexpr int HV = D / 8;  // halves of a V row per thread (gid slice)
+    uint4 vr[4][HV / 8];
+    const int toks[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool ok = toks[i] < left;  // stale rows may hold NaN: zero them, P = 0 there
+      const uint4* src = reinterpret_cast<const uint4*>(vb + (int64_t)(t0 + toks[i]) * p.s16_t + gid * HV);
+#pragma unroll
+      for (int w = 0; w < HV / 8; ++w) vr[i][w] = ok ? src[w] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      uint32_t a[4];
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        const uint32_t wa = reinterpret_cast<const uint32_t*>(&vr[2 * pr][0])[mt];
+        const uint32_t wb = reinterpret_cast<const uint32_t*>(&vr[2 * pr + 1][0])[mt];
+        a[2 * pr] = __byte_perm(wa, wb, 0x5410);
+        a[2 * pr + 1] = __byte_perm(wa, wb, 0x7632);
+      }
+      mma16<BF>(st.acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+    }
+  }
+}
+
+#ifndef MINB_
+#define MINB_ 1
+#endif
+// PART_: 0 = both tiers in one kernel (split < num_qsplits: 2-bit), 1 = 2-bit splits only, 2 = 16-bit only
+// (blockIdx.x + num_qsplits is the split index), so each kernel gets the registers of its own path.
+#ifndef PART_
+#define PART_ 0
+#endif
+extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(const Params p) {
+  __shared__ float sm_m[NW][8], sm_l[NW][8];
+  __shared__ float sm_o[NW][8][D];
+  const int split = blockIdx.x + (PART_ == 2 ? (int)p.num_qsplits : 0), bh = blockIdx.y;
+  const int b = bh / (int)p.hkv, h = bh % (int)p.hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  State st;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) st.acc[mt][0] = st.acc[mt][1] = st.acc[mt][2] = st.acc[mt][3] = 0.f;
+  const bool is2 = PART_ == 1 || (PART_ == 0 && split < p.num_qsplits);
+  float osum[2] = {0.f, 0.f}, vref = 1.f;
+  if (is2) {
+#if PART_ != 2
+    const int n = reinterpret_cast<const int32_t*>(p.qlen)[b];
+    const int lo = split * (int)p.tok_per_split;
+    const int hi = min(n, lo + (int)p.tok_per_split);
+    run_2bit(p, st, osum, vref, b, h, lo, hi, warp, gid, tig);
+#endif
+  } else {
+#if PART_ != 1
+    const int n = reinterpret_cast<const int32_t*>(p.len16)[b];
+    const int lo = (split - (int)p.num_qsplits) * (int)p.tok16_per_split;
+    const int hi = min(n, lo + (int)p.tok16_per_split);
+    run_16bit<T16_ == 2>(p, st, b, h, lo, hi, warp, gid, tig);
+#endif
+  }
+  // ---- per-warp results -> shared memory (unnormalised outputs per head)
+  const float l0 = warp_sum8(st.l[0]), l1 = warp_sum8(st.l[1]);
+  const float os0 = warp_sum8(osum[0]), os1 = warp_sum8(osum[1]);
+  if (gid == 0) {
+    sm_m[warp][2 * tig] = st.m[0]; sm_m[warp][2 * tig + 1] = st.m[1];
+    sm_l[warp][2 * tig] = l0; sm_l[warp][2 * tig + 1] = l1;
+  }
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i >> 1, e = i & 1, hh = 2 * tig + e;
+      float v = st.acc[mt][i];
+      int d;
+      if (is2) {
+        d = d_of_v2(mt, gid, r);
+        v = v * (vref / float(1 << (2 * (mt / (BPV / 2))))) + (e ? os1 : os0);
+      } else {
+        d = gid * (D / 8) + 2 * mt + r;
+      }
+      sm_o[warp][hh][d] = v;
+    }
+  __syncthreads();
+  // ---- merge the warps, write the split's partial output and log-sum-exp
+  for (int idx = threadIdx.x; idx < GQ * D; idx += NW * 32) {
+    const int hh = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][hh]);
+    float den = 0.f, num = 0.f;
+    if (mx > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = sm_m[w][hh] > -INFINITY ? ex2(sm_m[w][hh] - mx) : 0.f;
+        den += f * sm_l[w][hh];
+        num += f * sm_o[w][hh][d];
+      }
+    }
+    float* o = reinterpret_cast<float*>(p.o_part) + b * p.so_b + (int64_t)(h * GQ + hh) * p.so_h + split * p.so_s;
+    o[d] = den > 0.f ? num / den : 0.f;
+    if (d == 0) {
+      float* l = reinterpret_cast<float*>(p.lse_part) + b * p.sl_b + (int64_t)(h * GQ + hh) * p.sl_h;
+      l[split] = den > 0.f ? mx + __log2f(den) : -INFINITY;
+    }
+  }
+}
+
+struct MergeParams {
+  uint64_t o_part, lse_part, out;
+  int64_t so_b, so_h, so_s, sl_b, sl_h, sout_b, sout_h, hq, num_splits, out_dtype;  // 0 f32, 1 f16, 2 bf16
+};
+
+// One CTA per (sequence, query head), D threads: out = sum_s 2^(lse_s - lse) o_s.
+extern "C" __global__ void oscar_decode_merge(const MergeParams p) {
+  const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, d = threadIdx.x;
+  const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
+  const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, lse[s]);
+  float den = 0.f, num = 0.f;
+  if (mx > -INFINITY)
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float ls = lse[s];
+      if (ls > -INFINITY) {
+        const float f = ex2(ls - mx);
+        den += f;
+        num += f * o[s * p.so_s + d];
+      }
+    }
+  const float r = den > 0.f ? num / den : 0.f;
+  const int64_t off = b * p.sout_b + hq * p.sout_h + d;
+  if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off] = r;
+  else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(r);
+  else reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(r);
+}
