@@ -250,7 +250,9 @@ def main() -> int:
                 bf16_gb = bs * ctx * HKV * D * 2 * 2 / 1e9
                 row = bench_decode(bs, ctx, args.impls.split(","), with_sdpa=bf16_gb <= args.max_gb)
                 res["decode"].append(row)
-                print(json.dumps(row), flush=True)
+                cells = [f"{k}={v['ms']:.4f}ms/{v['TBps']:.2f}TB/s/s{v['splits']}" if "ms" in v else f"{k}=ERR {v['error']}"
+                         for k, v in row.items() if isinstance(v, dict)]
+                print(f"ctx {ctx} bs {bs} sdpa={row.get('sdpa_bf16_ms')}", *cells, flush=True)
     if "quantize" not in skip:
         for rot in (False, True):
             res["quantize"].append(bench_quantize(32768, rot))
