@@ -51,6 +51,10 @@ def register() -> None:
     _register_spec()
     _wrap_get_kv_cache_spec()
     _REGISTERED = True
+    import logging
+    import os
+
+    logging.getLogger("vllm.oscarkv").info("oscar-kv vLLM plugin registered in process %d", os.getpid())
 
 
 def _register_spec() -> None:

@@ -86,8 +86,11 @@ class OscarAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
-        opts = OscarOptions.from_additional_config(get_current_vllm_config().additional_config)
-        return 64 if opts is not None and opts.quantize else default_block_size
+        cfg = get_current_vllm_config()
+        if OscarOptions.from_additional_config(cfg.additional_config) is None:
+            return default_block_size
+        rt = runtime(cfg, require=False)
+        return rt.tiers.page if rt.windows else default_block_size
 
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
@@ -150,7 +153,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         self.pools = None
         if self.rt.windows:
             shape = (self.rt.num_slots + 1, self.rt.tiers.rows16, self.num_kv_heads, head_size)
-            dtype = vllm_config.model_config.dtype
+            dtype = self.rt.window_dtype
             self.pools = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.params = None
 
@@ -174,7 +177,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             self.bind(layer)
         block_size = vllm_config.cache_config.block_size
         self.rt.tiers.check_block_size(block_size)
-        if not self.rt.opts.quantize:
+        if not self.rt.quantized:
             return original(layer, vllm_config)
         fmt = self.rt.page_format(self.num_kv_heads, block_size)
         return OscarAttentionSpec(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
@@ -191,7 +194,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         m = attn_metadata.step
         T = m.num_tokens
         q, k, v = query[:T], key[:T], value[:T]
-        if self.rt.opts.quantize:
+        if self.rt.quantized:
             fmt = self.rt.page_format(self.num_kv_heads, attn_metadata.block_size)
             out = quant_step(q, k, v, carve(kv_cache, fmt), self.pools, self.params, m)
         else:

@@ -72,6 +72,7 @@ class LayerParams:
     k_clip: float
     v_clip: float
     sm_scale: float
+    dtype16: torch.dtype = torch.bfloat16  # the 16-bit tiers; quantized rows are quantized from this rounding
 
 
 @dataclass
@@ -155,38 +156,40 @@ def quant_step(
     p: LayerParams, m: StepMeta,
 ) -> Tensor:
     """One layer over the 2-bit cache. q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``; pools ``[num_slots + 1,
-    rows16, Hkv, d]`` (16-bit) or None without windows. Returns ``[T, Hq, d]`` float32 (unrotated).
-    Queries and the chunk's own K/V reach the kernels in the activation dtype (float32 on CPU)."""
+    rows16, Hkv, d]`` (``p.dtype16``) or None without windows. Returns ``[T, Hq, d]`` float32 (unrotated).
+
+    As in :mod:`oscarkv.cache`, a quantized row is quantized from its 16-bit value, and a chunk attends to its
+    own K/V unrounded; queries and the chunk's own K/V reach the kernels in the activation dtype.
+    """
     quantize_write, decode_attention, extend_attention = ops()
     T, nd, act = m.num_tokens, m.num_decodes, q.dtype
     kp, vp = kv
     qr = rotate_q(q, p.r_k).to(act)
-    kr, vr = rotate_kv(k, p.mu_k, p.r_k).to(act), rotate_kv(v, p.mu_v, p.r_v).to(act)
+    kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)
+    k16new, v16new = kr.to(p.dtype16), vr.to(p.dtype16)
+    kr, vr = kr.to(act), vr.to(act)
+    H, d = k.shape[1], k.shape[2]
+    empty16 = q.new_zeros(1, H, 1, d)
     pre16 = {}
     if pools is not None:
         flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in pools)
         for row, *_ in m.prefills:  # the prefix as stored, before this chunk enters the ring
-            pre16[row] = (flat_k[m.gather[row]], flat_v[m.gather[row]])
-    quantize_write(kp, vp, k, v, m.slot_mapping, k_rotation=p.r_k, v_rotation=p.r_v, k_mean=p.mu_k,
-                   v_mean=p.mu_v, k_clip=p.k_clip, v_clip=p.v_clip)
+            pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None], flat_v[m.gather[row]].permute(1, 0, 2)[None])
+    quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
     if pools is not None:
-        flat_k.index_copy_(0, m.ring_rows, kr.to(flat_k.dtype))
-        flat_v.index_copy_(0, m.ring_rows, vr.to(flat_v.dtype))
+        flat_k.index_copy_(0, m.ring_rows, k16new)
+        flat_v.index_copy_(0, m.ring_rows, v16new)
     out = torch.empty(T, q.shape[1], q.shape[2], dtype=act, device=q.device)
-    H, d = k.shape[1], k.shape[2]
-    empty16 = q.new_zeros(1, H, 1, d)
-    if nd:
-        if pools is not None:
-            k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
-            v16 = flat_v[m.gather[:nd]].permute(0, 2, 1, 3)
-        else:
-            k16 = v16 = q.new_zeros(nd, H, 1, d)
+    if nd and pools is not None:  # the new token is read back from the ring
+        k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
+        v16 = flat_v[m.gather[:nd]].permute(0, 2, 1, 3)
         decode_attention(qr[:nd], kp, vp, m.bt2[:nd], m.qlen[:nd], k16, v16, m.len16[:nd], p.sm_scale, out=out[:nd])
+    elif nd:  # no windows: each decode token attends to its quantized prefix and to itself unrounded
+        z = empty16.expand(nd, H, 1, d)
+        extend_attention(qr[:nd, None], kr[:nd, None], vr[:nd, None], kp, vp, m.bt2[:nd], m.qlen[:nd], z, z,
+                         m.len16[:nd], p.sm_scale, out=out[:nd, None])
     for row, a, b, _ in m.prefills:
-        if row in pre16:
-            k16, v16 = (x.permute(1, 0, 2).unsqueeze(0) for x in pre16[row])
-        else:
-            k16 = v16 = empty16
+        k16, v16 = pre16.get(row, (empty16, empty16))
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
                          m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=out[None, a:b])
     return unrotate_out(out, p)

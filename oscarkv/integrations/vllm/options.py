@@ -6,13 +6,13 @@ Everything here is plain Python (no vLLM import), so it is unit-tested without s
 
 Keys (unknown keys are an error):
 
-* ``calibration`` (str): an artifact folder written by ``oscarkv calibrate``. Required when ``quantize`` is true;
-  optional otherwise (identity rotation, no centering).
-* ``quantize`` (bool, default true): false stores the rotated, centered K/V in 16-bit pages (a diagnostic mode
-  whose tokens must equal vLLM's own backend).
-* ``windows`` (bool, default true): keep the first ``sink`` and the last ``window`` tokens of every sequence in
-  16-bit as the method says (section 4); false quantizes every token on write.
-* ``sink`` / ``window`` (int): override the artifact's spec.
+* ``calibration`` (str): an artifact folder written by ``oscarkv calibrate`` for the served model. Required for
+  every method but ``bf16``.
+* ``method`` (str, default ``"oscar"``): a token-layout method of :mod:`oscarkv.methods`, resolved exactly as
+  the transformers integration resolves it: ``oscar`` (16-bit sink + recent window, 2-bit middle),
+  ``oscar-nowindow`` (every token quantized on write), ``oscar-hadamard``, ``oscar-noclip``, ``naive-int2``,
+  ``quarot-int2``, ``int4-hadamard``, their ``-nocenter`` variants, or ``bf16`` (K/V kept in vLLM's own 16-bit
+  pages through this backend: a diagnostic whose tokens must equal vLLM's built-in backend).
 * ``max_seqs`` (int): sequences that can hold 16-bit windows at once (default: vLLM's ``max_num_seqs``).
 """
 
@@ -26,7 +26,7 @@ PINNED_VLLM = "0.26.0"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-_KEYS = ("calibration", "quantize", "windows", "sink", "window", "max_seqs")
+_KEYS = ("calibration", "method", "max_seqs")
 
 
 class OscarVllmError(ValueError):
@@ -38,10 +38,7 @@ class OscarOptions:
     """Parsed ``additional_config["oscar"]``."""
 
     calibration: str | None = None
-    quantize: bool = True
-    windows: bool = True
-    sink: int | None = None
-    window: int | None = None
+    method: str = "oscar"
     max_seqs: int | None = None
 
     @classmethod
@@ -60,16 +57,20 @@ class OscarOptions:
         return opts
 
     def _validate(self) -> None:
-        for name in ("quantize", "windows"):
-            if not isinstance(getattr(self, name), bool):
-                raise OscarVllmError(f"oscar.{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("sink", "window", "max_seqs"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_seqs" else 0)):
-                raise OscarVllmError(f"oscar.{name} must be a non-negative int (max_seqs >= 1), got {v!r}")
+        from ... import methods
+
+        if self.method not in methods.names():
+            raise OscarVllmError(f"unknown oscar.method {self.method!r}; valid: {methods.names()}")
+        m = methods.get(self.method)
+        if m.key_layout != "token":
+            raise OscarVllmError(f"method {self.method!r} stores keys per channel, which the vLLM backend does not "
+                                 "implement; use a token-layout method such as 'oscar'")
+        v = self.max_seqs
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise OscarVllmError(f"oscar.max_seqs must be an int >= 1, got {v!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise OscarVllmError(f"oscar.calibration must be a folder path, got {self.calibration!r}")
-        if self.quantize and not self.calibration:
+        if m.quantized and not self.calibration:
             raise OscarVllmError(
                 'oscar.calibration is required: --additional-config \'{"oscar": {"calibration": "DIR"}}\' '
                 "with DIR written by `oscarkv calibrate` for this model"
@@ -117,27 +118,33 @@ def check_model(model: ServedModel) -> None:
 
 
 def load_calibration(opts: OscarOptions, model: ServedModel):
-    """The artifact named by ``opts`` checked against ``model`` (identity calibration when none is given)."""
+    """The artifact named by ``opts`` checked against ``model`` (an identity calibration when none is given)."""
     from ...artifact import ArtifactError, Calibration
-    from ...config import QuantSpec
 
     check_model(model)
     if not opts.calibration:
-        spec = QuantSpec(k_clip=0.0, v_clip=0.0, centering=False, composition="none")
-        return Calibration.identity(model.identity(), spec)
+        return Calibration.identity(model.identity())
     try:
         calib = Calibration.load(opts.calibration, model=model.identity())
     except ArtifactError as e:
         raise OscarVllmError(f"OSCAR calibration {opts.calibration!r} cannot serve this model: {e}") from e
-    spec = calib.spec
-    if spec.quantizer != "uniform":
-        raise OscarVllmError(f"quantizer {spec.quantizer!r} is not supported in vLLM (uniform only)")
     if calib.layer_formats is not None and any(f for f in calib.layer_formats):
         raise OscarVllmError(
             "the artifact selects per-layer formats (layer_formats); the vLLM backend serves one format for "
             "all layers. Calibrate without per-layer format selection."
         )
     return calib
+
+
+def resolve_recipe(opts: OscarOptions, calib):
+    """The method's :class:`~oscarkv.methods.Recipe` (as the transformers integration resolves it)."""
+    from ... import methods
+    from ...config import ConfigError
+
+    try:
+        return methods.resolve(opts.method, calib)
+    except ConfigError as e:
+        raise OscarVllmError(f"oscar.method {opts.method!r} cannot use this calibration: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -192,6 +199,6 @@ class Tiering:
 
 
 __all__ = [
-    "OscarOptions", "OscarVllmError", "ServedModel", "Tiering", "check_model", "load_calibration",
+    "OscarOptions", "OscarVllmError", "ServedModel", "Tiering", "check_model", "load_calibration", "resolve_recipe",
     "PINNED_VLLM", "SUPPORTED_ARCHITECTURES", "SUPPORTED_HEAD_SIZES",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .options import OscarOptions, OscarVllmError, ServedModel, Tiering, load_calibration
+from .options import OscarOptions, OscarVllmError, ServedModel, Tiering, load_calibration, resolve_recipe
 
 logger = logging.getLogger("vllm.oscarkv")  # under vLLM's logger, so its handler prints it
 _RUNTIMES: dict[str, "Runtime"] = {}
@@ -23,20 +23,26 @@ _RUNTIMES: dict[str, "Runtime"] = {}
 class Runtime:
     opts: OscarOptions
     calib: Any  # oscarkv.artifact.Calibration
+    recipe: Any  # oscarkv.methods.Recipe
     model: ServedModel
     tiers: Tiering
     num_slots: int
+    window_dtype: torch.dtype  # the 16-bit tiers: the model's dtype if 16-bit, else bfloat16 (as oscarkv.hf)
+
+    @property
+    def quantized(self) -> bool:
+        return self.recipe.quantized
 
     @property
     def windows(self) -> bool:
-        return self.opts.quantize and self.tiers.enabled
+        return self.recipe.quantized and self.tiers.enabled
 
     def page_format(self, num_kv_heads: int, block_size: int):
         from ...kernels.layout import PageFormat
 
-        s = self.calib.spec
+        r = self.recipe
         return PageFormat(num_kv_heads=num_kv_heads, head_dim=self.model.head_dim, page_size=block_size,
-                          bits=s.bits, group_size=s.group_size, meta_dtype=s.meta_dtype)
+                          bits=r.bits, group_size=r.group_size, meta_dtype=r.meta_dtype)
 
 
 def served_model(vllm_config: Any) -> ServedModel:
@@ -65,7 +71,7 @@ def runtime(vllm_config: Any, *, require: bool) -> Runtime:
                 "the OSCAR attention backend is selected but --additional-config has no \"oscar\" section; pass "
                 '--additional-config \'{"oscar": {"calibration": "DIR"}}\''
             )
-        opts = OscarOptions(quantize=False)
+        opts = OscarOptions(method="bf16")
     key = json.dumps([additional.get("oscar"), vllm_config.model_config.model, str(vllm_config.model_config.dtype)],
                      sort_keys=True, default=str)
     if key not in _RUNTIMES:
@@ -76,23 +82,26 @@ def runtime(vllm_config: Any, *, require: bool) -> Runtime:
 def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
     model = served_model(vllm_config)
     calib = load_calibration(opts, model)
-    spec = calib.spec
-    sink = spec.sink if opts.sink is None else opts.sink
-    window = spec.window if opts.window is None else opts.window
-    tiers = Tiering(sink=sink, window=window, page=spec.page_size, enabled=opts.windows and opts.quantize)
+    recipe = resolve_recipe(opts, calib)
+    tiers = Tiering(sink=recipe.sink, window=recipe.window, page=recipe.unit,
+                    enabled=recipe.quantized and (recipe.sink > 0 or recipe.window > 0))
     if tiers.enabled:
         if vllm_config.cache_config.enable_prefix_caching:
             raise OscarVllmError(
-                "the OSCAR 16-bit windows are per sequence and need prefix caching off: start vLLM with "
-                "enable_prefix_caching=False (--no-enable-prefix-caching), or set oscar.windows=false"
+                "the 16-bit windows are per sequence and need prefix caching off: start vLLM with "
+                "enable_prefix_caching=False (--no-enable-prefix-caching), or use oscar.method 'oscar-nowindow'"
             )
         if vllm_config.speculative_config is not None:
             raise OscarVllmError("speculative decoding is not supported with the OSCAR windows")
     num_slots = opts.max_seqs or vllm_config.scheduler_config.max_num_seqs
-    logger.info("OSCAR KV cache: %s, %d-bit%s, calibration %s", model.architecture, spec.bits,
-                f", 16-bit sink {sink} + window {window} for {num_slots} sequences" if tiers.enabled else
-                ("" if opts.quantize else " off (16-bit)"), opts.calibration)
-    return Runtime(opts=opts, calib=calib, model=model, tiers=tiers, num_slots=num_slots)
+    dt = vllm_config.model_config.dtype
+    window_dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+    logger.info("OSCAR KV cache: method %s, %s%s, calibration %s", opts.method,
+                f"{recipe.bits}-bit" if recipe.quantized else "16-bit",
+                f", 16-bit sink {tiers.sink} + window {tiers.window} (pages of {tiers.page}) for {num_slots} "
+                "sequences" if tiers.enabled else "", opts.calibration)
+    return Runtime(opts=opts, calib=calib, recipe=recipe, model=model, tiers=tiers, num_slots=num_slots,
+                   window_dtype=window_dtype)
 
 
 def local_kv_heads(total: int, tp_size: int, tp_rank: int) -> list[int]:
@@ -106,20 +115,22 @@ def local_kv_heads(total: int, tp_size: int, tp_rank: int) -> list[int]:
 
 
 def layer_params(rt: Runtime, layer: int, heads: list[int], sm_scale: float, device: torch.device):
-    """:class:`~.core.LayerParams` of ``layer`` restricted to ``heads``, on ``device``."""
+    """:class:`~.core.LayerParams` of ``layer`` restricted to ``heads``, on ``device`` (identity rotation and
+    zero means where the method has none)."""
     from .core import LayerParams
 
-    t = rt.calib.layer(layer)
+    lr = rt.recipe.layers[layer]
+    d = rt.model.head_dim
     idx = torch.tensor(heads)
 
-    def pick(x):
+    def pick(x, default):
+        x = default if x is None else x
         return x[idx].to(device=device, dtype=torch.float32).contiguous()
 
-    mu_k, mu_v = pick(t["mu_k"]), pick(t["mu_v"])
-    if not rt.calib.spec.centering:
-        mu_k, mu_v = torch.zeros_like(mu_k), torch.zeros_like(mu_v)
-    return LayerParams(r_k=pick(t["r_k"]), r_v=pick(t["r_v"]), mu_k=mu_k, mu_v=mu_v,
-                       k_clip=t["k_clip"], v_clip=t["v_clip"], sm_scale=sm_scale)
+    H = rt.model.num_kv_heads
+    eye, zeros = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
+    return LayerParams(r_k=pick(lr.r_k, eye), r_v=pick(lr.r_v, eye), mu_k=pick(lr.mu_k, zeros),
+                       mu_v=pick(lr.mu_v, zeros), k_clip=lr.k_clip, v_clip=lr.v_clip, sm_scale=sm_scale)
 
 
 __all__ = ["Runtime", "runtime", "served_model", "local_kv_heads", "layer_params"]

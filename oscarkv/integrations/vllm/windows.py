@@ -76,16 +76,20 @@ def step_indices(
     tiers: Tiering, slots: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, num_slots: int,
     decode: np.ndarray,
 ) -> StepIndices:
-    """Index arrays for one step. ``seq_lens[b]`` counts tokens after this step; decode rows (``decode[b]``)
-    read the tiers after their new token is written, prefill rows the tiers of their prefix (before the chunk).
+    """Index arrays for one step, with the transformers integration's order (attend, then demote): every row
+    reads its prefix as stored before this step (``qlen`` of ``n0 = seq_lens - query_lens``). A decode row
+    (``decode[b]``) reads its new token from the ring, so its 16-bit tier is gathered after the write and counts
+    that token; a prefill chunk attends to itself separately, so its gather (done before the write) stops at
+    ``n0``. ``seq_lens[b]`` counts tokens after this step. Without windows (``tiers.enabled`` false) or without a
+    slot, everything stored is read from the 2-bit pages (a degraded decode row then reads its own token there).
 
     Flat pool rows are ``slot * rows16 + row``; the trash row is ``num_slots * rows16``.
     """
     R, S, ring = tiers.rows16, tiers.sink, tiers.ring
     trash = num_slots * R
     B = len(seq_lens)
-    n_read = np.where(decode, seq_lens, seq_lens - query_lens)
-    qlen = np.array([tiers.qlen(int(n)) for n in n_read], dtype=np.int32)
+    n0 = seq_lens - query_lens
+    qlen = np.array([tiers.qlen(int(n)) for n in n0], dtype=np.int32)
     len16 = np.zeros(B, dtype=np.int32)
     gather = np.full((B, max(R, 1)), trash, dtype=np.int64)[:, :R]
     ring_rows = np.full(int(query_lens.sum()), trash, dtype=np.int64)
@@ -93,18 +97,19 @@ def step_indices(
     start = 0
     for b in range(B):
         n, t, s = int(seq_lens[b]), int(query_lens[b]), int(slots[b])
-        if s < 0 or not tiers.enabled:  # degraded: everything from the 2-bit pages
-            qlen[b], skip[b] = n_read[b], 0
+        if s < 0 or not tiers.enabled:
+            qlen[b] = n if (decode[b] and tiers.enabled) else n0[b]
+            skip[b] = 0
             start += t
             continue
         pos = np.arange(n - t, n)
-        rows = np.where(pos < S, pos, S + (pos - S) % max(ring, 1))
+        rows = np.where(pos < S, pos, S + (pos - S) % ring)
         keep = (pos < S) | (pos >= n - ring)
         ring_rows[start:start + t] = np.where(keep, s * R + rows, trash)
         start += t
-        m = int(n_read[b])
-        ns = min(S, m)
-        nrec = m - ns - int(qlen[b])
+        end = n if decode[b] else int(n0[b])
+        ns = min(S, end)
+        nrec = max(0, end - S - int(qlen[b]))
         gather[b, :ns] = s * R + np.arange(ns)
         gather[b, ns:ns + nrec] = s * R + S + (int(qlen[b]) + np.arange(nrec)) % ring
         len16[b] = ns + nrec

@@ -29,15 +29,32 @@ def main() -> None:
     if args.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = args["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
+    full = args.get("full_logprobs")  # a .pt path: every step's log-probabilities over the whole vocabulary
+    if full:
+        kwargs["max_logprobs"] = -1
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, detokenize=False,
-                            logprobs=args.get("logprobs", 5), ignore_eos=True)
+                            logprobs=-1 if full else args.get("logprobs", 5), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
-    result = []
+    result, dense = [], []
     for o in outs:
         c = o.outputs[0]
-        lps = [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+        steps = c.logprobs or []
+        if full:
+            import torch
+
+            lp = torch.full((len(steps), max(max(s) for s in steps) + 1), float("-inf"))
+            for i, s in enumerate(steps):
+                ids = torch.tensor(list(s.keys()))
+                lp[i, ids] = torch.tensor([x.logprob for x in s.values()])
+            dense.append(lp)
+            steps = [{t: s[t] for t in [int(tok)]} for s, tok in zip(steps, c.token_ids)]
+        lps = [{str(t): lp.logprob for t, lp in step.items()} for step in steps]
         result.append({"tokens": list(c.token_ids), "logprobs": lps})
+    if full:
+        import torch
+
+        torch.save(dense, full)
     print("RESULT " + json.dumps(result), flush=True)
 
 

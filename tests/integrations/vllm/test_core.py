@@ -54,7 +54,7 @@ class Sim:
         self.kv = torch.zeros(nb, page_bytes(fmt), dtype=torch.uint8)
         self.pages = carve(self.kv, fmt)
         shape = (num_slots + 1, tiers.rows16, H, d)
-        self.pools = (torch.zeros(shape), torch.zeros(shape)) if tiers.enabled else None
+        self.pools = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)) if tiers.enabled else None
         self.slots, self.num_slots = (WindowSlots(num_slots) if tiers.enabled else None), num_slots
         rot = torch.stack([random_orthogonal(d, gen) for _ in range(2 * H)])
         self.p = LayerParams(r_k=rot[:H], r_v=rot[H:], mu_k=torch.randn(H, d, generator=gen),
@@ -94,25 +94,33 @@ class Sim:
         return got, expected
 
     def rot(self, x, mu, r, clip):
+        """(exact rotated rows, their 16-bit rounding, the 2-bit value quantized from that rounding)"""
         xr = torch.einsum("nhd,hde->nhe", x - mu, r)
-        return xr, fake_quantize(xr, bits=2, clip_ratio=clip, meta_dtype=torch.float16)
+        x16 = xr.to(self.p.dtype16).float()
+        return xr, x16, fake_quantize(x16, bits=2, clip_ratio=clip, meta_dtype=torch.float16)
 
     def dense(self, sid, q, n, t, decode, windows=True):
+        """The method's cache read by hand: the prefix as stored before the step (16-bit tiers, 2-bit middle),
+        then the step's own tokens (a prefill chunk unrounded; a decode token from the 16-bit ring)."""
         hk, hv = (torch.stack(x) for x in self.hist[sid])
-        kr, kq = self.rot(hk, self.p.mu_k, self.p.r_k, self.p.k_clip)
-        vr, vq = self.rot(hv, self.p.mu_v, self.p.r_v, self.p.v_clip)
-        n_read = n if decode else n - t
-        exact = torch.zeros(n, dtype=torch.bool)
-        exact[n_read:] = True  # a prefill chunk attends to itself in full precision
+        kr, k16, kq = self.rot(hk, self.p.mu_k, self.p.r_k, self.p.k_clip)
+        vr, v16, vq = self.rot(hv, self.p.mu_v, self.p.r_v, self.p.v_clip)
+        n0 = n - t
+        K, V = kq.clone(), vq.clone()
+        K[n0:], V[n0:] = kr[n0:], vr[n0:]  # the chunk itself
         if windows and self.tiers.enabled:
-            qlen, S = self.tiers.qlen(n_read), self.tiers.sink
-            exact[:min(S, n_read)] = True
-            exact[S + qlen:] = True
-        K = torch.where(exact[:, None, None], kr, kq).repeat_interleave(self.g, 1)
-        V = torch.where(exact[:, None, None], vr, vq).repeat_interleave(self.g, 1)
+            qlen, S = self.tiers.qlen(n0), self.tiers.sink
+            w16 = torch.zeros(n, dtype=torch.bool)
+            w16[:S], w16[S + qlen:] = True, True
+            if not decode:
+                w16[n0:] = False
+            K[w16], V[w16] = k16[w16], v16[w16]
+        elif windows is False and decode:  # a decode row that lost its slot reads itself from the 2-bit pages
+            K[n0:], V[n0:] = kq[n0:], vq[n0:]
+        K, V = K.repeat_interleave(self.g, 1), V.repeat_interleave(self.g, 1)
         qr = torch.einsum("nhgd,hde->nhge", q.view(t, self.H, self.g, self.d), self.p.r_k).reshape(t, -1, self.d)
         s = torch.einsum("thd,jhd->thj", qr, K) * self.p.sm_scale
-        pos = torch.arange(n - t, n)[:, None, None]
+        pos = torch.arange(n0, n)[:, None, None]
         s = s.masked_fill(torch.arange(n)[None, None] > pos, float("-inf"))
         o = torch.einsum("thj,jhd->thd", s.softmax(-1), V).view(t, self.H, self.g, self.d)
         return (torch.einsum("nhge,hde->nhgd", o, self.p.r_v) + self.p.mu_v[None, :, None]).reshape(t, -1, self.d)
