@@ -201,15 +201,29 @@ def run_niah(
                 for v, d, k in tqdm(todo, desc=f"{s.model_name} niah@{length} {m}", disable=not s.progress):
                     smp = gen.sample(v, length, d, k)
                     n_ans = len(s.tokenizer(" " + smp.answer, add_special_tokens=False)["input_ids"])
-                    out = greedy_generate(s.model, smp.input_ids, new_cache(), n_ans + 4, chunk=chunk)
+                    cache = new_cache()
+                    out = greedy_generate(s.model, smp.input_ids, cache, n_ans + 4, chunk=chunk)
                     text = s.tokenizer.decode(out, skip_special_tokens=True)
                     rec = s.base_record(TASK, m, length, run, _key(v, d, k))
                     rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
                                needle_token=smp.needle_token, answer=smp.answer, output=text,
-                               correct=int(smp.correct(text)), protocol=protocol)
+                               correct=int(smp.correct(text)), protocol=protocol, **physical_bits(cache))
                     s.store.append(path, rec)
                     new.append(rec)
     return new
+
+
+def physical_bits(cache: Any) -> dict:
+    """Bits per stored K/V element read from the cache's own tensors: overall (16-bit tiers included) and of the
+    quantized tier alone; empty for caches that do not report their bytes."""
+    nbytes = getattr(cache, "nbytes", None)
+    if not callable(nbytes):
+        return {}
+    b = nbytes()
+    per_token = b.elements / b.tokens if b.tokens else 0
+    q_el = b.quantized_tokens * per_token
+    return {"bits_physical": b.bits_per_element, "bits_quantized_tier": 8 * b.used_quantized / q_el if q_el else None,
+            "cached_tokens": b.tokens}
 
 
 def _key(v: Variant, depth: float, seed: int) -> str:

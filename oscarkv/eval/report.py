@@ -44,6 +44,8 @@ def _summarise(task: str, rs: list[dict]) -> dict:
                            / sum(len(vs) for (dd, _), vs in cells.items() if dd == d) for d in sorted({k[0] for k in cells})}
         out["by_variant"] = {var: _mean([r for r in rs if r["variant"] == var], "correct")
                              for var in sorted({r["variant"] for r in rs})}
+        out["bits_physical"] = _mean(rs, "bits_physical")
+        out["bits_quantized_tier"] = _mean(rs, "bits_quantized_tier")
     elif task == "greedy":
         out.update(first_div=_mean(rs, "first_div"), exact=_mean(rs, "exact"), agree=_mean(rs, "agree"))
     elif task == "fidelity":
@@ -106,14 +108,18 @@ def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> s
 
 def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
     ctxs = sorted({g[4] for g in part})
-    rows = ["| method | bits/elem | " + " | ".join(f"NIAH@{c}" for c in ctxs) + " |", "|" + "---|" * (2 + len(ctxs))]
+    rows = ["| method | bits/elem nominal | " + " | ".join(f"NIAH@{c}" for c in ctxs)
+            + f" | physical bits@{ctxs[-1]} (quantized tier) |", "|" + "---|" * (3 + len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
         for c in ctxs:
             v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
             cells.append(f"{_fmt(v['acc'], 2)} ({v['units']})" if v else "-")
-        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\n(accuracy over samples, sample count in parentheses)\n"
+        last = next((v for g, v in part.items() if g[3] == m and g[4] == ctxs[-1]), None)
+        phys = f"{_fmt(last['bits_physical'], 2)} ({_fmt(last['bits_quantized_tier'], 2)})" if last else "-"
+        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + f" | {phys} |")
+    return "\n".join(rows) + ("\n\n(accuracy over samples, sample count in parentheses; physical bits = bytes held "
+                              "by the cache's tensors after the prompt and answer, per K/V element)\n")
 
 
 def _greedy_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:

@@ -60,3 +60,6 @@ def test_niah_runs_through_chunked_prefill_and_cache(hf_session):
         recs = run_niah(hf_session, ["bf16", "oscar"], [120], [0.5], [Variant.parse("single-number-noise")], 1,
                         chunk=32)
     assert len(recs) == 2 and all(r["tokens"] <= 120 and isinstance(r["output"], str) for r in recs)
+    by = {r["method"]: r for r in recs}
+    assert by["oscar"]["bits_quantized_tier"] == pytest.approx(2.0 + 32 / 16)  # d = 16, fp16 scale + offset
+    assert by["oscar"]["bits_physical"] < by["bf16"]["bits_physical"] == pytest.approx(16.0)
