@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from typing import Any, Sequence
@@ -46,7 +47,7 @@ def plan_chunks(data: DataLike, tokenizer: Any, *, tokens: int, seq_len: int, se
     if tokenizer is None:
         raise ValueError("text data needs a tokenizer (or pass pre-tokenized chunks)")
     corpus = data if isinstance(data, Corpus) else None
-    if isinstance(data, str):
+    if isinstance(data, (str, os.PathLike)):
         corpus = load_corpus(data, "calibration")
     stat_len = chunk_lengths(tokens - n_hold, seq_len)
     hold_len = chunk_lengths(n_hold, seq_len) if n_hold else []
