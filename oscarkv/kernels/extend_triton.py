@@ -28,6 +28,14 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _codes_tile(codes, PS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """uint8 codes ``[PS, D/4]`` -> exact float16 codes ``[PS, D]`` in interleaved order: column ``4 c + j``
+    holds field ``j`` of byte ``c``, i.e. element ``j D/4 + c`` (queries and outputs use the same order)."""
+    f0, f1, f2, f3 = _fields4(codes, ASM)
+    return tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (PS, D))  # [.., i, w] = f_{2i+w}
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
@@ -46,45 +54,40 @@ def _extend_kernel(
     tq = pid_m * TOK_M + r // G
     hq = h * G + r % G
     rmask = (tq < T) & (r < TOK_M * G)
-    qscale = sm_scale * 1.4426950408889634
-    c = tl.arange(0, DQ)
-    dd = tl.arange(0, D)
-    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
-    q = tl.load(qrow + dd[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q0 = tl.load(qrow + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q1 = tl.load(qrow + DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q2 = tl.load(qrow + 2 * DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
-    q3 = tl.load(qrow + 3 * DQ + c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * qscale
+    col = tl.arange(0, D)
+    perm = (col % 4) * DQ + col // 4  # interleaved column -> element of the head dimension
     if F32DOT:
         DT: tl.constexpr = tl.float32
     else:
         DT: tl.constexpr = tl.float16
-    q0 = q0.to(tl.float16).to(DT)
-    q1 = q1.to(tl.float16).to(DT)
-    q2 = q2.to(tl.float16).to(DT)
-    q3 = q3.to(tl.float16).to(DT)
-    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
+    q = tl.load(qrow + perm[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sm_scale * 1.4426950408889634)
+    q2 = q.to(tl.float16)
+    qsum = tl.sum(q2.to(tl.float32), axis=1)
+    q2 = q2.to(DT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     osum = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, DQ], tl.float32)
-    a1 = tl.zeros([BLOCK_M, DQ], tl.float32)
-    a2 = tl.zeros([BLOCK_M, DQ], tl.float32)
-    a3 = tl.zeros([BLOCK_M, DQ], tl.float32)
-    # 1) the 2-bit pages, one page per step, scale/offset factored out
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # 1) the 2-bit pages, one page per step; scale/offset factored out of both products, P * s_v / v_ref in
+    # float16 (v_ref: the first page's largest V scale, at least 2^-6, so 16-bit P / v_ref stays in range)
     n = tl.arange(0, PS)
+    c = tl.arange(0, DQ)
     ntok = tl.load(qlen_ptr + b)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    vref = 1.0
+    if ntok > 0:
+        page0 = tl.load(bt_row).to(tl.int64)
+        vs0 = tl.load(vs_ptr + page0 * s_mp + h * s_mh + n, mask=n < ntok, other=0.0).to(tl.float32)
+        vref = tl.minimum(tl.maximum(tl.max(vs0, axis=0), 0.015625), 65504.0)
+    ivref = 1.0 / vref
     for p in range(0, tl.cdiv(ntok, PS)):
         page = tl.load(bt_row + p).to(tl.int64)
         crow = page * s_cp + h * s_ch + n * DQ
         row = page * s_mp + h * s_mh + n
         tmask = p * PS + n < ntok
-        k0, k1, k2, k3 = _fields4(tl.load(kc_ptr + crow[:, None] + c[None, :]), ASM)
-        s = tl.dot(q0, tl.trans(k0.to(DT)))
-        s = tl.dot(q1, tl.trans(k1.to(DT)), s)
-        s = tl.dot(q2, tl.trans(k2.to(DT)), s)
-        s = tl.dot(q3, tl.trans(k3.to(DT)), s)
+        kt = _codes_tile(tl.load(kc_ptr + crow[:, None] + c[None, :]), PS, D, ASM).to(DT)
+        s = tl.dot(q2, tl.trans(kt))
         ks = tl.load(ks_ptr + row, mask=tmask, other=0.0).to(tl.float32)
         ko = tl.load(ko_ptr + row, mask=tmask, other=0.0).to(tl.float32)
         s = s * ks[None, :] + qsum[:, None] * ko[None, :]
@@ -93,68 +96,47 @@ def _extend_kernel(
         vs = tl.load(vs_ptr + row, mask=tmask, other=0.0).to(tl.float32)
         vo = tl.load(vo_ptr + row, mask=tmask, other=0.0).to(tl.float32)
         osum = osum * alpha + tl.sum(pr * vo[None, :], axis=1)
-        vmax = tl.maximum(tl.max(vs, axis=0), 1e-30)
-        pv = (pr * (vs / vmax)[None, :]).to(tl.float16).to(DT)
-        v0, v1, v2, v3 = _fields4(tl.load(vc_ptr + crow[:, None] + c[None, :]), ASM)
-        a0 = a0 * alpha[:, None] + tl.dot(pv, v0.to(DT)) * vmax
-        a1 = a1 * alpha[:, None] + tl.dot(pv, v1.to(DT)) * vmax
-        a2 = a2 * alpha[:, None] + tl.dot(pv, v2.to(DT)) * vmax
-        a3 = a3 * alpha[:, None] + tl.dot(pv, v3.to(DT)) * vmax
-    # 2) the 16-bit tiers (sink + recent), then 3) the chunk itself, causally; accumulators stay split by
-    # quarter of the head dimension (a_j holds elements j * D/4 + c), like the factored 2-bit products
+        pv = (pr * (vs * ivref)[None, :]).to(tl.float16).to(DT)
+        vt = _codes_tile(tl.load(vc_ptr + crow[:, None] + c[None, :]), PS, D, ASM).to(DT)
+        acc = tl.dot(pv, vt, acc * alpha[:, None])
+    # 2) the 16-bit tiers (sink + recent), then 3) the chunk itself, causally
     kv = tl.arange(0, BLOCK_N)
     n16 = tl.load(len16_ptr + b)
     base16 = b.to(tl.int64) * s16b + h * s16h
     for t0 in range(0, n16, BLOCK_N):
         t = t0 + kv
         tm = t < n16
-        off = base16 + t.to(tl.int64)[:, None] * s16t
-        k = tl.load(k16_ptr + off + dd[None, :], mask=tm[:, None], other=0.0)
+        off = base16 + t.to(tl.int64)[:, None] * s16t + perm[None, :]
+        k = tl.load(k16_ptr + off, mask=tm[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
         s = tl.where(tm[None, :], s, float("-inf"))
         m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
         osum = osum * alpha
-        pr = pr.to(k.dtype).to(DT)
-        a0 = tl.dot(pr, tl.load(v16_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT), a0 * alpha[:, None])
-        a1 = tl.dot(pr, tl.load(v16_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a1 * alpha[:, None])
-        a2 = tl.dot(pr, tl.load(v16_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a2 * alpha[:, None])
-        a3 = tl.dot(pr, tl.load(v16_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a3 * alpha[:, None])
+        v = tl.load(v16_ptr + off, mask=tm[:, None], other=0.0)
+        acc = tl.dot((pr * ivref).to(v.dtype).to(DT), v.to(DT), acc * alpha[:, None])
     basen = b.to(tl.int64) * sn_b + h * sn_h
     hi = tl.minimum(T, (pid_m + 1) * TOK_M)
     for t0 in range(0, hi, BLOCK_N):
         t = t0 + kv
         tm = t < T
-        off = basen + t.to(tl.int64)[:, None] * sn_t
-        k = tl.load(kn_ptr + off + dd[None, :], mask=tm[:, None], other=0.0)
+        off = basen + t.to(tl.int64)[:, None] * sn_t + perm[None, :]
+        k = tl.load(kn_ptr + off, mask=tm[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
         s = tl.where((t[None, :] <= tq[:, None]) & tm[None, :], s, float("-inf"))
         m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
         osum = osum * alpha
-        pr = pr.to(k.dtype).to(DT)
-        a0 = tl.dot(pr, tl.load(vn_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT), a0 * alpha[:, None])
-        a1 = tl.dot(pr, tl.load(vn_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a1 * alpha[:, None])
-        a2 = tl.dot(pr, tl.load(vn_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a2 * alpha[:, None])
-        a3 = tl.dot(pr, tl.load(vn_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
-                    a3 * alpha[:, None])
+        v = tl.load(vn_ptr + off, mask=tm[:, None], other=0.0)
+        acc = tl.dot((pr * ivref).to(v.dtype).to(DT), v.to(DT), acc * alpha[:, None])
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    ob = osum[:, None] * inv
-    optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h + c[None, :]
-    ty = out_ptr.dtype.element_ty
-    tl.store(optr, (a0 * inv + ob).to(ty), mask=rmask[:, None])
-    tl.store(optr + DQ, (a1 * inv + ob).to(ty), mask=rmask[:, None])
-    tl.store(optr + 2 * DQ, (a2 * inv + ob).to(ty), mask=rmask[:, None])
-    tl.store(optr + 3 * DQ, (a3 * inv + ob).to(ty), mask=rmask[:, None])
+    res = acc * (vref * inv) + osum[:, None] * inv
+    optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h + perm[None, :]
+    tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    out: Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
 ) -> Tensor:
     """Chunk attention over a quantized prefix; semantics of
     :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new

@@ -37,6 +37,10 @@ class DecodePlan:
         device: where the workspace lives.
         block_n: tokens per kernel iteration (a multiple of ``page_size`` or a divisor of it, at least 16).
         programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count.
+        tokens16_per_split: 16-bit-tier tokens per split.
+        num_sms: multiprocessors to fill (default: read from the device).
+        min_pages_per_split: lower bound on a split's length, so that short contexts do not pay a program's
+            fixed cost (query setup, partial write) for a single page.
 
     Call :meth:`update` each step with the batch size and (optionally) the longest 2-bit tier in the batch; the
     result is deterministic in those two integers, so a CUDA graph captured for a (batch, max_tokens) bucket
@@ -55,6 +59,7 @@ class DecodePlan:
     programs_per_sm: int = 4
     tokens16_per_split: int = 128
     num_sms: int | None = None
+    min_pages_per_split: int = 4
     # filled by __post_init__ / update
     o_part: Tensor = field(init=False, repr=False)
     lse_part: Tensor = field(init=False, repr=False)
@@ -91,7 +96,7 @@ class DecodePlan:
         ps, bn = self.page_size, self.block_n
         pages = max(1, math.ceil(max_tokens / ps))
         want = max(1, math.ceil(self.programs_per_sm * self.num_sms / (batch * self.num_kv_heads)))
-        pps = math.ceil(pages / min(want, pages))
+        pps = max(math.ceil(pages / min(want, pages)), self.min_pages_per_split)
         step = max(1, bn // ps)  # a split covers whole kernel iterations
         pps = math.ceil(pps / step) * step
         return pps, math.ceil(pages / pps)

@@ -161,13 +161,21 @@ struct Chunk2 {
   float ks[2], ko[2], vs[2], vo[2];
 };
 
-__device__ __forceinline__ void load_chunk2(Chunk2& c, const Params& p, int64_t page, int row0, int ntok_left,
-                                            int h, int gid, int tig) {
-  const uint8_t* kb = reinterpret_cast<const uint8_t*>(p.kc) + page * p.s_cp + h * p.s_ch + (int64_t)row0 * RB;
-  const uint8_t* vb = reinterpret_cast<const uint8_t*>(p.vc) + page * p.s_cp + h * p.s_ch + (int64_t)row0 * RB;
+// Per-thread base pointers of one (sequence, KV head), with the lane's fixed offsets folded in.
+struct Bases2 {
+  const uint8_t *k, *v;              // + lane offsets of its K rows / V rows
+  const meta_t *ks, *ko, *vs, *vo;   // + gid
+  int64_t s_cp, s_mp;
+};
+
+__device__ __forceinline__ void load_chunk2(Chunk2& c, const Bases2& bs, int64_t page, int row0, int left, int gid,
+                                            int tig) {
+  const int64_t coff = page * bs.s_cp + (int64_t)row0 * RB, moff = page * bs.s_mp + row0;
+  const uint8_t* kb = bs.k + coff;
+  const uint8_t* vb = bs.v + coff;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const uint8_t* src = kb + (gid + 8 * r) * RB + tig * BPT;
+    const uint8_t* src = kb + 8 * r * RB;
     if constexpr (WPT == 1) c.k[r][0] = *reinterpret_cast<const uint32_t*>(src);
     if constexpr (WPT == 2) { uint2 w = *reinterpret_cast<const uint2*>(src); c.k[r][0] = w.x; c.k[r][1] = w.y; }
     if constexpr (WPT == 4) {
@@ -175,26 +183,21 @@ __device__ __forceinline__ void load_chunk2(Chunk2& c, const Params& p, int64_t 
       c.k[r][0] = w.x; c.k[r][1] = w.y; c.k[r][2] = w.z; c.k[r][3] = w.w;
     }
   }
-  const int toks[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
+  constexpr int toks[4] = {0, 1, 8, 9};  // + 2 tig, folded into bs.v
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint8_t* src = vb + toks[i] * RB + gid * BPV;
+    const uint8_t* src = vb + toks[i] * RB;
     if constexpr (BPV == 2) c.v[i][0] = *reinterpret_cast<const uint16_t*>(src);
     if constexpr (BPV == 4) c.v[i][0] = *reinterpret_cast<const uint32_t*>(src);
     if constexpr (BPV == 8) { uint2 w = *reinterpret_cast<const uint2*>(src); c.v[i][0] = w.x; c.v[i][1] = w.y; }
   }
-  const meta_t* ksb = reinterpret_cast<const meta_t*>(p.ks) + page * p.s_mp + h * p.s_mh + row0;
-  const meta_t* kob = reinterpret_cast<const meta_t*>(p.ko) + page * p.s_mp + h * p.s_mh + row0;
-  const meta_t* vsb = reinterpret_cast<const meta_t*>(p.vs) + page * p.s_mp + h * p.s_mh + row0;
-  const meta_t* vob = reinterpret_cast<const meta_t*>(p.vo) + page * p.s_mp + h * p.s_mh + row0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int t = gid + 8 * r;
-    const bool ok = t < ntok_left;  // rows past the sequence end may hold stale (even NaN) metadata
-    c.ks[r] = ok ? meta_f(ksb[t]) : 0.f;
-    c.ko[r] = ok ? meta_f(kob[t]) : 0.f;
-    c.vs[r] = ok ? meta_f(vsb[t]) : 0.f;
-    c.vo[r] = ok ? meta_f(vob[t]) : 0.f;
+    const bool ok = gid + 8 * r < left;  // rows past the sequence end may hold stale (even NaN) metadata
+    c.ks[r] = ok ? meta_f(bs.ks[moff + 8 * r]) : 0.f;
+    c.ko[r] = ok ? meta_f(bs.ko[moff + 8 * r]) : 0.f;
+    c.vs[r] = ok ? meta_f(bs.vs[moff + 8 * r]) : 0.f;
+    c.vo[r] = ok ? meta_f(bs.vo[moff + 8 * r]) : 0.f;
   }
 }
 
@@ -323,8 +326,17 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
   const int32_t* bt = reinterpret_cast<const int32_t*>(p.bt) + b * p.s_bt;
   int t0 = lo + 16 * warp;
   if (t0 >= hi) return;
+  Bases2 bs;
+  bs.k = reinterpret_cast<const uint8_t*>(p.kc) + h * p.s_ch + gid * RB + tig * BPT;
+  bs.v = reinterpret_cast<const uint8_t*>(p.vc) + h * p.s_ch + 2 * tig * RB + gid * BPV;
+  bs.ks = reinterpret_cast<const meta_t*>(p.ks) + h * p.s_mh + gid;
+  bs.ko = reinterpret_cast<const meta_t*>(p.ko) + h * p.s_mh + gid;
+  bs.vs = reinterpret_cast<const meta_t*>(p.vs) + h * p.s_mh + gid;
+  bs.vo = reinterpret_cast<const meta_t*>(p.vo) + h * p.s_mh + gid;
+  bs.s_cp = p.s_cp;
+  bs.s_mp = p.s_mp;
   Chunk2 ca, cb;  // ping-pong register buffers: the next chunk's loads are in flight during this one's math
-  load_chunk2(ca, p, bt[t0 / PS], t0 % PS, hi - t0, h, gid, tig);
+  load_chunk2(ca, bs, bt[t0 / PS], t0 % PS, hi - t0, gid, tig);
   {  // reference V scale: keeps p * s_v / v_ref inside float16's normal range
     const float vm = warp_max8(fmaxf(ca.vs[0], ca.vs[1]));
     vref = (vm > 0.f && vm < 3.0e38f) ? vm : 1.f;
@@ -332,11 +344,11 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
   }
   while (true) {
     const int t1 = t0 + 16 * NW;
-    if (t1 < hi) load_chunk2(cb, p, bt[t1 / PS], t1 % PS, hi - t1, h, gid, tig);
+    if (t1 < hi) load_chunk2(cb, bs, bt[t1 / PS], t1 % PS, hi - t1, gid, tig);
     chunk_2bit(q, ca, st, osum, hi - t0, gid);
     if (t1 >= hi) break;
     const int t2 = t1 + 16 * NW;
-    if (t2 < hi) load_chunk2(ca, p, bt[t2 / PS], t2 % PS, hi - t2, h, gid, tig);
+    if (t2 < hi) load_chunk2(ca, bs, bt[t2 / PS], t2 % PS, hi - t2, gid, tig);
     chunk_2bit(q, cb, st, osum, hi - t1, gid);
     if (t2 >= hi) break;
     t0 = t2;
