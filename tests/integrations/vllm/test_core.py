@@ -126,12 +126,12 @@ class Sim:
         return (torch.einsum("nhge,hde->nhgd", o, self.p.r_v) + self.p.mu_v[None, :, None]).reshape(t, -1, self.d)
 
 
-@pytest.mark.parametrize("tiers", [Tiering(sink=32, window=32, page=32), Tiering(sink=16, window=0, page=16),
+@pytest.mark.parametrize("tiers", [Tiering(sink=16, window=16, page=16), Tiering(sink=16, window=0, page=16),
                                    Tiering(0, 0, 16, enabled=False)])
 def test_quant_step_matches_dense_model_of_the_cache(tiers):
-    sim = Sim(tiers)
-    steps = [[("a", 40)], [("a", 1), ("b", 23)], [("a", 1), ("b", 1), ("c", 70)]]
-    steps += [[("a", 1), ("b", 1), ("c", 1)]] * 30 + [[("a", 1), ("c", 1), ("b", 33)]]
+    sim = Sim(tiers)  # sequences cross several demotions (every 16 tokens) by prefill chunks and decodes
+    steps = [[("a", 40)], [("a", 1), ("b", 23)], [("a", 1), ("b", 1), ("c", 45)]]
+    steps += [[("a", 1), ("b", 1), ("c", 1)]] * 18 + [[("a", 1), ("c", 1), ("b", 33)]]
     for batch in steps:
         got, expected = sim.step(batch)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)

