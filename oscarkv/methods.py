@@ -35,7 +35,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 
-import torch
 from torch import Tensor
 
 from .artifact import Calibration

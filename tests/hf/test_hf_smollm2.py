@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ARTIFACT = Path("/work/artifacts/smollm2-135m")
 
