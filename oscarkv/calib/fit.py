@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from ..config import QuantSpec
-from ..quant import dequantize, quantize, quantize_lloyd_max
+from ..quant import clip_index, dequantize, quantize, quantize_lloyd_max
 from ..rotation import compose, sorted_eigh
 from .stats import CalibrationStats, HeldOut, causal_mask
 
@@ -37,20 +37,28 @@ def rotations(stats: CalibrationStats, spec: QuantSpec) -> dict[str, Tensor]:
 
 # ------------------------------------------------------------------------------------------- clipping
 def _fake_quant(x: Tensor, ratio: float, spec: QuantSpec) -> Tensor:
-    """Quantize-dequantize rows of ``x`` (float32) with ``spec``'s format and clip ``ratio``."""
+    """Quantize-dequantize rows of ``x`` (float32, already clipped) with ``spec``'s format."""
     g = spec.group_for(x.shape[-1])
     if spec.quantizer == "lloyd-max":
-        q = quantize_lloyd_max(x, group_size=g, clip_ratio=ratio, meta_dtype=spec.meta_dtype)
+        q = quantize_lloyd_max(x, group_size=g, clip_ratio=0.0, meta_dtype=spec.meta_dtype)
     else:
-        q = quantize(x, bits=spec.bits, group_size=g, clip_ratio=ratio, meta_dtype=spec.meta_dtype,
+        q = quantize(x, bits=spec.bits, group_size=g, clip_ratio=0.0, meta_dtype=spec.meta_dtype,
                      check_finite=False)  # activations were checked when captured
     return dequantize(q, torch.float32)
 
 
-def _roundtrip(x: Tensor, r: Tensor, mu: Tensor, ratio: float, spec: QuantSpec) -> Tensor:
-    """``x [H, T, d]`` -> stored form ``(x - mu) @ R`` -> fake-quantized -> back to the model basis."""
+def _roundtrips(x: Tensor, r: Tensor, mu: Tensor, grid: Sequence[float], spec: QuantSpec) -> Iterator[Tensor]:
+    """For each clip ratio: ``x [H, T, d]`` -> stored form ``(x - mu) @ R`` -> clipped as
+    :func:`oscarkv.quant.clip_rows` does (one sort serves every ratio) -> fake-quantized -> model basis."""
     stored = (x - mu.unsqueeze(1)) @ r
-    return _fake_quant(stored, ratio, spec) @ r.transpose(-1, -2) + mu.unsqueeze(1)
+    sorted_abs = stored.abs().sort(dim=-1).values
+    for ratio in grid:
+        idx = clip_index(ratio, stored.shape[-1])
+        clipped = stored
+        if idx is not None:
+            tau = sorted_abs[..., idx : idx + 1]
+            clipped = torch.minimum(torch.maximum(stored, -tau), tau)
+        yield _fake_quant(clipped, ratio, spec) @ r.transpose(-1, -2) + mu.unsqueeze(1)
 
 
 def tier_mask(T: int, sink: int, window: int) -> Tensor:
@@ -68,7 +76,7 @@ def fit_windows(T: int, spec: QuantSpec) -> tuple[int, int]:
 
 def clip_errors(
     held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSpec, grid: Sequence[float], which: str,
-    max_queries: int = 256,
+    max_queries: int = 128,
 ) -> list[float]:
     """Relative attention-output error ``||O^ - O|| / ||O||`` of one layer for each ratio in ``grid``, with only
     keys (``which="k"``) or only values (``"v"``) quantized, over (at most ``max_queries`` evenly spaced, per
@@ -79,8 +87,7 @@ def clip_errors(
     num = torch.zeros(len(grid), dtype=torch.float64)
     den = torch.zeros((), dtype=torch.float64)
     for h in held:
-        g = h.q.shape[0] // h.k.shape[0]
-        T = h.q.shape[1]
+        H, T, d = h.k.shape
         sink, window = fit_windows(T, spec)
         valid = causal_mask(T, h.sliding_window)
         quant = tier_mask(T, sink, window) & valid
@@ -89,24 +96,23 @@ def clip_errors(
             continue
         if rows.numel() > max_queries:  # evenly spaced queries: the error estimate needs no more
             rows = rows[torch.linspace(0, rows.numel() - 1, max_queries).round().long()]
-        q = h.q[:, rows]
-        valid, quant = valid[rows], quant[rows]
-        rep = lambda x: x.repeat_interleave(g, dim=0)  # noqa: E731
-        k, v = rep(h.k), rep(h.v)
+        q = h.q[:, rows].reshape(H, -1, rows.numel(), d)  # [H, g, R, d]: a group's query heads are contiguous
+        valid, quant = valid[rows], quant[rows]  # [R, T], broadcast over heads
+        k, v = h.k.unsqueeze(1), h.v.unsqueeze(1)  # [H, 1, T, d]
         s_full = q @ k.transpose(-1, -2)
         p = _probs_from_scores(s_full, h, valid)
         ref = p @ v
-        den += (ref.double() ** 2).sum()
-        for j, ratio in enumerate(grid):
-            if which == "k":
-                k_hat = rep(_roundtrip(h.k, layer["r_k"], layer["mu_k"], ratio, spec))
-                s_mix = torch.where(quant, q @ k_hat.transpose(-1, -2), s_full)
-                p_hat = _probs_from_scores(s_mix, h, valid)
-                out = p_hat @ v
-            else:
-                dv = rep(_roundtrip(h.v, layer["r_v"], layer["mu_v"], ratio, spec)) - v
-                out = ref + (p * quant) @ dv
-            num[j] += ((out - ref).double() ** 2).sum()
+        den += float((ref * ref).sum())
+        if which == "k":
+            for j, k_hat in enumerate(_roundtrips(h.k, layer["r_k"], layer["mu_k"], grid, spec)):
+                s_mix = torch.where(quant, q @ k_hat.unsqueeze(1).transpose(-1, -2), s_full)
+                diff = _probs_from_scores(s_mix, h, valid) @ v - ref
+                num[j] += float((diff * diff).sum())
+        else:
+            pq = p * quant
+            for j, v_hat in enumerate(_roundtrips(h.v, layer["r_v"], layer["mu_v"], grid, spec)):
+                diff = pq @ (v_hat - h.v).unsqueeze(1)
+                num[j] += float((diff * diff).sum())
     if den == 0:
         return [0.0] * len(grid)
     return (num / den).sqrt().tolist()

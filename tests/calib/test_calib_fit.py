@@ -165,3 +165,16 @@ def test_rotations_helper_shapes():
     rot = rotations(stats, FIXED.replace(granularity="head", composition="u"))
     torch.testing.assert_close(rot["r_k"] @ torch.diag_embed(rot["eig_k"]) @ rot["r_k"].transpose(-1, -2),
                                stats.c_q.float(), rtol=1e-4, atol=1e-4 * float(stats.c_q.abs().max()))
+
+
+def test_roundtrips_equal_the_reference_quantizer_with_clipping():
+    from oscarkv.calib.fit import _roundtrips
+    from oscarkv.quant import fake_quantize
+    from oscarkv.rotation import random_orthogonal
+
+    g = torch.Generator().manual_seed(0)
+    x, mu, r = torch.randn(2, 40, 16, generator=g) * 3, torch.randn(2, 16, generator=g), random_orthogonal(16, g)
+    grid = [1.0, 0.9, 0.5]
+    for ratio, got in zip(grid, _roundtrips(x, r.expand(2, 16, 16), mu, grid, QuantSpec())):
+        want = fake_quantize((x - mu[:, None]) @ r, bits=2, clip_ratio=ratio) @ r.T + mu[:, None]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
