@@ -91,19 +91,21 @@ def _bits(info: dict, m: str) -> str:
 
 
 def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
+    """KLD, top-1 and PPL per context; each row's reference PPL (in parentheses) and window count are its own,
+    since methods may have been run on different numbers of windows."""
     ctxs = sorted({g[4] for g in part})
-    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c}" for c in ctxs) + " |"
-    rows = [head, "|" + "---|" * (2 + 3 * len(ctxs))]
+    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c} (ref) | win@{c}" for c in ctxs) + " |"
+    rows = [head, "|" + "---|" * (2 + 4 * len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
         for c in ctxs:
             v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
-            cells += [_fmt(v["kld"], 4), _fmt(v["top1"], 3), _fmt(v["ppl"], 2)] if v else ["-"] * 3
+            cells += ([_fmt(v["kld"], 4), _fmt(v["top1"], 3), f"{_fmt(v['ppl'], 2)} ({_fmt(v['ppl_ref'], 2)})",
+                       str(v["units"])] if v else ["-"] * 4)
         rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + " |")
-    n = {c: next(v for g, v in part.items() if g[4] == c) for c in ctxs}
-    foot = "; ".join(f"{c}: {n[c]['units']} window(s), {n[c]['tokens']} scored tokens, reference PPL "
-                     f"{_fmt(n[c]['ppl_ref'], 2)}" for c in ctxs)
-    return "\n".join(rows) + f"\n\n({foot})\n"
+    return "\n".join(rows) + ("\n\n(KLD: mean KL(reference || method) in nats over scored positions; top-1: argmax "
+                              "agreement; PPL over the same positions, the reference's on the same windows in "
+                              "parentheses; win: windows evaluated)\n")
 
 
 def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:

@@ -30,7 +30,7 @@ def test_aggregate_and_tables(tmp_path):
     niah = agg[("tiny", "essays", "niah", "oscar", 2048)]
     assert niah["acc"] == 0.5 and niah["by_depth"] == {0.1: 0.0, 0.9: 1.0}
     md = markdown_tables(agg, {"tiny": {"oscar": {"bits": 2.5}}}, ["bf16", "oscar"])
-    assert "| oscar | 2.50 | 0.0750 | 0.900 | 7.39 |" in md
+    assert "| oscar | 2.50 | 0.0750 | 0.900 | 7.39 (7.39) | 2 |" in md
     assert "NIAH@2048" in md and "0.50 (2)" in md
 
 
