@@ -62,7 +62,7 @@ def _threshold(s, k: tl.constexpr):
     lo = tl.maximum(b0 - 64, 0)
     hi = b0 + 64
     for _ in tl.static_range(7):
-        mid = (lo + hi) >> 1
+        mid = lo + ((hi - lo) >> 1)  # (lo + hi) would overflow int32 for floats >= 2
         ok = tl.math.div_rn(mid.to(tl.float32, bitcast=True), s) + 0.5 >= k
         hi = tl.where(ok, mid, hi)
         lo = tl.where(ok, lo, mid)
@@ -76,7 +76,7 @@ def _quant_rows(
     slots_ptr, dbg_ptr, N, page_size, pid_r, h, num_heads,
     D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     BLOCK_R: tl.constexpr, GATHER: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_ROT: tl.constexpr,
-    META: tl.constexpr, DEBUG: tl.constexpr,
+    META: tl.constexpr, DEBUG: tl.constexpr, CODE_DIV: tl.constexpr, CLIP_SORT: tl.constexpr,
 ):
     PER: tl.constexpr = 8 // BITS
     DQ: tl.constexpr = D // PER
@@ -117,7 +117,11 @@ def _quant_rows(
         dptr = dbg_ptr + (rows.to(tl.int64) * num_heads + h)[:, None] * D + e[None, :]
         tl.store(dptr, x, mask=valid[:, None] & cmask[None, :])
     if clip_idx >= 0:
-        tau = _kth_smallest_abs(x, cmask, clip_idx, BLOCK_R)[:, None]
+        if CLIP_SORT:  # alternative (slower) exact order statistic: bitonic sort of |x|
+            srt = tl.sort(tl.where(cmask[None, :], tl.abs(x), float("inf")), dim=1)
+            tau = tl.max(tl.where(cols[None, :] == clip_idx, srt, -1.0), axis=1)[:, None]
+        else:
+            tau = _kth_smallest_abs(x, cmask, clip_idx, BLOCK_R)[:, None]
         x = tl.minimum(tl.maximum(x, -tau), tau)
     page = slot // page_size
     prow = slot % page_size
@@ -138,8 +142,13 @@ def _quant_rows(
         a = x - lo[:, None]
         live = gm & (sc > 0.0)[:, None]  # a zero scale (constant group) gives all-zero codes
         ssafe = tl.where(sc > 0.0, sc, 1.0)
-        for k in tl.static_range(1, LEVELS + 1):
-            q += (live & (a >= _threshold(ssafe, k)[:, None])).to(tl.int32)
+        if CODE_DIV:  # reference formulation: one correctly rounded division per element
+            t = tl.math.div_rn(a, ssafe[:, None]) + 0.5
+            qd = tl.minimum(tl.maximum(tl.floor(t), 0.0), LEVELS * 1.0).to(tl.int32)
+            q += tl.where(live, qd, 0)
+        else:
+            for k in tl.static_range(1, LEVELS + 1):
+                q += (live & (a >= _threshold(ssafe, k)[:, None])).to(tl.int32)
     q = q << (BITS * jj)[None, :]
     packed = tl.sum(tl.reshape(q, (BLOCK_R, PER, CP)), axis=1)
     c = tl.arange(0, CP)
@@ -155,17 +164,20 @@ def _quantize_kv_kernel(
     D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
     BLOCK_R: tl.constexpr, GATHER: tl.constexpr, K_MEAN: tl.constexpr, K_ROT: tl.constexpr,
     V_MEAN: tl.constexpr, V_ROT: tl.constexpr, META: tl.constexpr, DEBUG: tl.constexpr,
+    CODE_DIV: tl.constexpr, CLIP_SORT: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     h = tl.program_id(1)
     if tl.program_id(2) == 0:
         _quant_rows(kx, ksx0, ksx1, ksxh, ksxd, idx0_ptr, idx1_ptr, kmean, krot, ks_rot_h, kclip,
                     kcodes, kscale, koffset, sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, slots_ptr, kdbg, N, page_size,
-                    pid_r, h, num_heads, D, DP, BITS, G, NG, BLOCK_R, GATHER, K_MEAN, K_ROT, META, DEBUG)
+                    pid_r, h, num_heads, D, DP, BITS, G, NG, BLOCK_R, GATHER, K_MEAN, K_ROT, META, DEBUG,
+                    CODE_DIV, CLIP_SORT)
     else:
         _quant_rows(vx, vsx0, vsx1, vsxh, vsxd, idx0_ptr, idx1_ptr, vmean, vrot, vs_rot_h, vclip,
                     vcodes, vscale, voffset, sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, slots_ptr, vdbg, N, page_size,
-                    pid_r, h, num_heads, D, DP, BITS, G, NG, BLOCK_R, GATHER, V_MEAN, V_ROT, META, DEBUG)
+                    pid_r, h, num_heads, D, DP, BITS, G, NG, BLOCK_R, GATHER, V_MEAN, V_ROT, META, DEBUG,
+                    CODE_DIV, CLIP_SORT)
 
 
 def _prep_side(pages: QuantPages, x: Tensor, rotation: Tensor | None, mean: Tensor | None, clip: float,
@@ -191,7 +203,7 @@ def _prep_side(pages: QuantPages, x: Tensor, rotation: Tensor | None, mean: Tens
 
 
 def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, *, k_rotation, v_rotation,
-            k_mean, v_mean, k_clip, v_clip, debug_rows, gather):
+            k_mean, v_mean, k_clip, v_clip, debug_rows, gather, variant=()):
     fmt = k_pages.fmt
     if v_pages.fmt != fmt:
         raise ValueError(f"K and V page formats differ: {k_pages.fmt} vs {v_pages.fmt}")
@@ -219,7 +231,7 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         D=d, DP=next_pow2(d), BITS=fmt.bits, G=fmt.group, NG=fmt.groups, BLOCK_R=block_r, GATHER=gather,
         K_MEAN=k_mean is not None, K_ROT=k_rotation is not None, V_MEAN=v_mean is not None,
         V_ROT=v_rotation is not None, META=_META_CODE[fmt.meta_dtype], DEBUG=debug_rows is not None,
-        num_warps=4,
+        CODE_DIV="code_div" in variant, CLIP_SORT="clip_sort" in variant, num_warps=4,
     )
 
 
@@ -235,12 +247,14 @@ def quantize_write_triton(
     k_rotation: Tensor | None = None, v_rotation: Tensor | None = None,
     k_mean: Tensor | None = None, v_mean: Tensor | None = None,
     k_clip: float = 0.0, v_clip: float = 0.0, debug_rows: tuple[Tensor, Tensor] | None = None,
+    variant: tuple[str, ...] = (),
 ) -> None:
     """Quantize K and V rows ``[N, Hkv, d]`` into ``slots`` (``[N]``, ``page * page_size + row``; negative =
     skip) of both pools, in place, in one launch. See :func:`oscarkv.kernels.reference.quantize_write_ref`.
 
     ``debug_rows``: optional pair of float32 ``[N, Hkv, d]`` tensors receiving the centered, rotated rows
-    before clipping (the exact float32 values the codes were computed from).
+    before clipping (the exact float32 values the codes were computed from). ``variant``: equivalent
+    alternative formulations for testing, "code_div" (one division per element) and "clip_sort" (sort |x|).
     """
     fmt = k_pages.fmt
     shape = (k.shape[0], fmt.num_kv_heads, fmt.head_dim)
@@ -252,7 +266,8 @@ def quantize_write_triton(
     ks = (k.stride(0), 0, k.stride(1), k.stride(2))
     vs = (v.stride(0), 0, v.stride(1), v.stride(2))
     _launch(k_pages, v_pages, k, v, ks, vs, slots, n, slots, slots, k_rotation=k_rotation, v_rotation=v_rotation,
-            k_mean=k_mean, v_mean=v_mean, k_clip=k_clip, v_clip=v_clip, debug_rows=debug_rows, gather=False)
+            k_mean=k_mean, v_mean=v_mean, k_clip=k_clip, v_clip=v_clip, debug_rows=debug_rows, gather=False,
+            variant=variant)
 
 
 def demote_triton(

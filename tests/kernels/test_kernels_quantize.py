@@ -21,7 +21,8 @@ def _pools(fmt, num_pages):
 
 
 def _cpu_copy(pages):
-    return type(pages)(pages.codes.cpu(), pages.scale.cpu(), pages.offset.cpu(), pages.fmt)
+    """An independent CPU copy (``.cpu()`` alone would alias a CPU pool and make every comparison trivial)."""
+    return type(pages)(pages.codes.cpu().clone(), pages.scale.cpu().clone(), pages.offset.cpu().clone(), pages.fmt)
 
 
 def _bits(t):
@@ -140,3 +141,25 @@ def test_quantize_write_rejects_bad_shapes():
     x = torch.randn(4, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="rotation"):
         quantize_write_triton(kp, vp, x, x, torch.arange(4, device=DEVICE), k_rotation=torch.eye(32))
+
+
+def test_codes_exact_at_rounding_ties():
+    """Elements exactly at (m + 1/2) steps above the minimum round up (RN(RN(a/s) + 0.5)); large magnitudes
+    (float bits >= 2^30) once broke the threshold search with an int32 overflow."""
+    d = 64
+    fmt = PageFormat(num_kv_heads=1, head_dim=d, page_size=16)
+    kp, vp = _pools(fmt, 2)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    rows = []
+    for s in (4.9375, 0.75, 1.25 * 2**-7, 96.0, 3000.0):
+        lo = -1.5 * s
+        vals = torch.tensor([lo + m * s / 2 for m in range(7)])
+        rows.append(vals[torch.randint(0, 7, (d,))])
+        rows[-1][:2] = torch.tensor([lo, lo + 3 * s])  # pin the range: scale = s exactly
+    x = torch.stack(rows)[:, None, :].to(DEVICE)
+    slots = torch.arange(len(rows), device=DEVICE)
+    quantize_write_triton(kp, vp, x, x * 0.5, slots)
+    quantize_write_ref(kr, x.cpu(), slots.cpu())
+    quantize_write_ref(vr, x.cpu() * 0.5, slots.cpu())
+    _assert_same(kp, kr)
+    _assert_same(vp, vr)
