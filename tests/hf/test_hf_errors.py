@@ -8,7 +8,7 @@ from oscarkv.artifact import ArtifactError, UnsupportedModelError
 from oscarkv.config import ConfigError
 from oscarkv.hf import OscarCache
 
-from conftest import VOCAB, random_calibration, tiny_model
+from hf_helpers import VOCAB, random_calibration, tiny_model
 
 
 @pytest.fixture

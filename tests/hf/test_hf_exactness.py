@@ -7,7 +7,7 @@ from transformers import DynamicCache
 import oscarkv.hf as ohf
 from oscarkv.kernels.reference import extend_attention_ref, gather_dequant_ref
 
-from conftest import VOCAB, decode_logits, identity_calibration, random_calibration, spec, tiny_model
+from hf_helpers import VOCAB, decode_logits, identity_calibration, random_calibration, spec, tiny_model
 
 
 def _reference(model, ids, prompt_len):

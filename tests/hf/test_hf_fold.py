@@ -5,7 +5,7 @@ import torch
 
 import oscarkv.hf as ohf
 
-from conftest import VOCAB, random_calibration, spec, tiny_model
+from hf_helpers import VOCAB, random_calibration, spec, tiny_model
 
 
 @pytest.mark.parametrize("arch,q_heads,kv_heads", [("llama", 4, 4), ("qwen2", 4, 2), ("qwen3", 8, 2)])

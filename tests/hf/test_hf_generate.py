@@ -5,7 +5,7 @@ import torch
 
 import oscarkv.hf as ohf
 
-from conftest import VOCAB, random_calibration, spec, tiny_model
+from hf_helpers import VOCAB, random_calibration, spec, tiny_model
 
 
 def _setup(arch="llama"):

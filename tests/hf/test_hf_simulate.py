@@ -6,7 +6,7 @@ import torch
 import oscarkv.hf as ohf
 from oscarkv.hf.simulation import chunk_starts
 
-from conftest import VOCAB, decode_logits, random_calibration, spec, tiny_model
+from hf_helpers import VOCAB, decode_logits, random_calibration, spec, tiny_model
 
 
 def _both(model, calib, method, ids, prompt_len=0, chunk=1, window_dtype=torch.float32):

@@ -7,7 +7,7 @@ import oscarkv.hf as ohf
 from oscarkv.cache import TierPolicy
 from oscarkv.quant import dequantize, quantize
 
-from conftest import VOCAB, random_calibration, spec, tiny_model
+from hf_helpers import VOCAB, random_calibration, spec, tiny_model
 
 S, W, P = 4, 8, 4
 
