@@ -46,7 +46,7 @@ if ! "$PY" -c "import vllm, pytest" >/dev/null 2>&1; then
   echo "vLLM CPU venv ready in $(( $(date +%s) - start )) s"
 fi
 # The project itself (cheap; keeps the editable install pointing at this checkout).
-"$PY" -m pip install -q --no-deps -e "$ROOT"
+"$PY" -m pip install -q --no-deps -e "$ROOT" >/tmp/oscarkv-vllm-pip.log 2>&1 || { cat /tmp/oscarkv-vllm-pip.log; exit 1; }
 [ "${1:-}" = "--setup" ] && exit 0
 
 # The real-model check needs SmolLM2's float safetensors cache; the main stage's venv (with gguf) can build it.

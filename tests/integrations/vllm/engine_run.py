@@ -9,10 +9,12 @@ is ``RESULT {...}``; vLLM's own log (with its KV cache capacity) goes to stderr.
 
 import json
 import sys
+import time
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    t0 = time.time()
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True,
@@ -33,6 +35,7 @@ def main() -> None:
     if full:
         kwargs["max_logprobs"] = -1
     llm = LLM(**kwargs)
+    print(f"ENGINE_START_S {time.time() - t0:.1f}", flush=True)
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0.0, detokenize=False,
                             logprobs=-1 if full else args.get("logprobs", 5), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)

@@ -26,26 +26,28 @@ def vllm_model_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
-def teacher_forced_logprobs(model_dir: Path, calib_dir: str | None, method: str, prompt: list[int],
-                            generated: list[int]) -> torch.Tensor:
-    """``[len(generated), vocab]`` float32 log-probabilities of each generated token's position under ``method``
-    (``"bf16"``: no cache quantization)."""
+def teacher_forced_logprobs(model_dir: Path, calib_dir: str | None, method: str, prompts: list[list[int]],
+                            generated: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, ``[len(generated), vocab]`` float32 log-probabilities of each generated token's position under
+    ``method`` (``"bf16"``: no cache quantization). The model is loaded once."""
     from transformers import AutoModelForCausalLM
 
     from oscarkv.artifact import Calibration
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + generated[:-1]])
-    with torch.no_grad():
-        if method == "bf16":
-            logits = model(ids, use_cache=False).logits
-        else:
-            from oscarkv import hf
-
-            calib = Calibration.load(calib_dir, model)
-            with hf.simulate(model, calib, method, prompt_len=len(prompt)):
+    out = []
+    for prompt, gen in zip(prompts, generated):
+        ids = torch.tensor([prompt + gen[:-1]])
+        with torch.no_grad():
+            if method == "bf16":
                 logits = model(ids, use_cache=False).logits
-    return logits[0, len(prompt) - 1:].float().log_softmax(-1)
+            else:
+                from oscarkv import hf
+
+                with hf.simulate(model, Calibration.load(calib_dir, model), method, prompt_len=len(prompt)):
+                    logits = model(ids, use_cache=False).logits
+        out.append(logits[0, len(prompt) - 1:].float().log_softmax(-1))
+    return out
 
 
 def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:

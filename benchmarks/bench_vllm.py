@@ -1,0 +1,202 @@
+"""vLLM 0.26.0 BF16 vs vLLM + OSCAR on one GPU: KV capacity (vLLM's own log line), offline throughput at long
+context under the same ``gpu_memory_utilization``, and OSCAR logits against the project's transformers reference.
+
+    python benchmarks/bench_vllm.py --out docs/results/vllm_h200.json [--util 0.15] [--context 32000]
+
+A random-weight Qwen3-shaped model (28 layers, 16/8 heads, d=128) is written first, with a random calibration
+(orthogonal rotations, small means, clip 0.96/0.92, sink 64 + window 256). Each engine runs in its own process
+(``--child``) so the two never share GPU memory. Both run eager (``enforce_eager``): the OSCAR backend supports no
+CUDA graphs yet. The BF16 baseline uses vLLM's TRITON_ATTN backend (the slim vLLM carried to the H200 has no
+FlashAttention binaries). A deadline bounds the whole run; phases past it are recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QWEN3 = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+             rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+def make_model(root: Path) -> tuple[Path, Path]:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oscarkv.artifact import Calibration, ModelIdentity
+    from oscarkv.config import QuantSpec
+    from oscarkv.rotation import random_orthogonal
+
+    model_dir, calib_dir = root / "qwen3-random", root / "qwen3-random-calib"
+    cfg = Qwen3Config(**QWEN3, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    del model
+    ident = ModelIdentity.from_config(cfg)
+    calib = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92))
+    g = torch.Generator().manual_seed(0)
+    L, H, d = ident.num_layers, ident.num_kv_heads, ident.head_dim
+    calib.r_k = torch.stack([random_orthogonal(d, g) for _ in range(L)])
+    calib.r_v = torch.stack([random_orthogonal(d, g) for _ in range(L)])
+    calib.mu_k, calib.mu_v = torch.randn(L, H, d, generator=g) * 0.05, torch.randn(L, H, d, generator=g) * 0.05
+    calib.k_clip, calib.v_clip = torch.full((L,), 0.96), torch.full((L,), 0.92)
+    calib.save(calib_dir)
+    return model_dir, calib_dir
+
+
+def child(spec: dict) -> None:
+    """One engine: optional logits task (full log-probs saved), optional throughput task. Prints RESULT json."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+              gpu_memory_utilization=spec["util"], max_model_len=spec["max_model_len"], seed=0,
+              enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1)
+    if spec.get("oscar"):
+        kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
+    else:
+        kw.update(attention_config={"backend": "TRITON_ATTN"})
+    t0 = time.time()
+    llm = LLM(**kw)
+    out = {"engine_start_s": time.time() - t0}
+    gen = torch.Generator().manual_seed(1)
+    if spec.get("logits_prompts"):
+        prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in spec["logits_prompts"]]
+        sp = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False, logprobs=-1, ignore_eos=True)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        dense = []
+        for r in res:
+            steps = r.outputs[0].logprobs
+            lp = torch.full((len(steps), QWEN3["vocab_size"]), float("-inf"))
+            for i, s in enumerate(steps):
+                lp[i, torch.tensor(list(s.keys()))] = torch.tensor([x.logprob for x in s.values()])
+            dense.append(lp)
+        torch.save({"prompts": prompts, "tokens": [list(r.outputs[0].token_ids) for r in res], "logprobs": dense},
+                   spec["logits_out"])
+    cc = llm.llm_engine.vllm_config.cache_config
+    if cc.num_gpu_blocks:
+        out["kv_capacity_blocks"], out["block_size"] = cc.num_gpu_blocks, cc.block_size
+    if spec.get("context"):
+        ctx, new = spec["context"], spec["gen"]
+        cap = (cc.num_gpu_blocks or 0) * cc.block_size
+        n = max(1, min(spec["max_num_seqs"], cap // (ctx + new + cc.block_size)))  # as many as fit at once
+        prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()} for _ in range(n)]
+        sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.time()
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        dt = time.time() - t0
+        out.update(num_seqs=n, context=ctx, gen=new, wall_s=dt, output_tok_s=n * new / dt,
+                   total_tok_s=n * (ctx + new) / dt)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_child(spec: dict, timeout: float) -> tuple[dict | None, str]:
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    try:
+        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                           timeout=max(timeout, 1), env=env)
+    except subprocess.TimeoutExpired as e:
+        return None, f"timeout after {timeout:.0f} s\n{(e.stdout or b'')[-4000:]}"
+    log = p.stdout + p.stderr
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    res = json.loads(lines[-1][7:]) if lines else None
+    cap = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    if res is not None and cap:
+        res["kv_capacity_tokens"] = int(cap[-1].replace(",", ""))
+    return res, log
+
+
+def logits_check(model_dir: Path, calib_dir: Path, path: Path) -> dict:
+    """KL of the project's transformers reference (oscarkv.hf.simulate, same calibration) to vLLM + OSCAR."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oscarkv import hf
+    from oscarkv.artifact import Calibration
+
+    data = torch.load(path)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    calib = Calibration.load(calib_dir, model)
+    kls, agree, maxdiff = [], [], []
+    for p, toks, lp in zip(data["prompts"], data["tokens"], data["logprobs"]):
+        ids = torch.tensor([p + toks[:-1]], device="cuda")
+        with torch.no_grad(), hf.simulate(model, calib, "oscar", prompt_len=len(p)):
+            ref = model(ids, use_cache=False).logits[0, len(p) - 1:].float().log_softmax(-1).cpu()
+        v = lp[:, : ref.shape[1]]
+        kls.append(float((ref.exp() * (ref - v)).nan_to_num(0).sum(-1).mean()))
+        agree.append(float((ref.argmax(-1) == torch.tensor(toks)).float().mean()))
+        top = ref.topk(20, -1).indices
+        maxdiff.append(float((ref.gather(1, top) - v.gather(1, top)).abs().max()))
+    return {"kl_ref_vs_vllm_mean": kls, "greedy_agreement": agree, "max_abs_logprob_diff_top20": maxdiff}
+
+
+def provenance() -> dict:
+    import torch
+
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "git": sha,
+            "vllm": __import__("vllm").__version__, "triton": __import__("triton").__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child")
+    ap.add_argument("--out", default="vllm_h200.json")
+    ap.add_argument("--work", default="/tmp/oscar-vllm-bench")
+    ap.add_argument("--util", type=float, default=0.15)
+    ap.add_argument("--context", type=int, default=32000)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--deadline", type=float, default=200.0, help="seconds for the whole run")
+    a = ap.parse_args()
+    if a.child:
+        return child(json.loads(a.child))
+    t_start = time.time()
+    left = lambda: a.deadline - (time.time() - t_start)  # noqa: E731
+    root = Path(a.work)
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir, calib_dir = make_model(root)
+    report = {"provenance": provenance(), "model": {"shape": "Qwen3-0.6B-like, random weights", **QWEN3},
+              "settings": {"gpu_memory_utilization": a.util, "context": a.context, "gen": a.gen, "enforce_eager": True},
+              "runs": {}, "logs": {}}
+    common = {"model": str(model_dir), "util": a.util, "max_model_len": a.context + a.gen + 64,
+              "context": a.context, "gen": a.gen}
+    plan = [  # OSCAR first: its logits check matters most if the deadline cuts the run short
+        ("oscar", {**common, "oscar": {"calibration": str(calib_dir)}, "max_num_seqs": 48,
+                   "logits_prompts": [1200, 700], "logits_out": str(root / "oscar_logits.pt")}),
+        ("bf16", {**common, "max_num_seqs": 64}),
+    ]
+    for name, spec in plan:
+        if left() < 45:
+            report["runs"][name] = {"skipped": "deadline"}
+            continue
+        res, log = run_child(spec, left() - 20)
+        report["runs"][name], report["logs"][name] = res, log[-6000:]
+        print(name, json.dumps(res), flush=True)
+    r = {k: report["runs"].get(k) or {} for k in ("oscar", "bf16")}
+    if r["oscar"].get("kv_capacity_tokens") and r["bf16"].get("kv_capacity_tokens"):
+        report["kv_capacity_ratio"] = r["oscar"]["kv_capacity_tokens"] / r["bf16"]["kv_capacity_tokens"]
+    if r["oscar"].get("output_tok_s") and r["bf16"].get("output_tok_s"):
+        report["throughput_ratio"] = r["oscar"]["output_tok_s"] / r["bf16"]["output_tok_s"]
+    try:
+        report["logits_check"] = logits_check(model_dir, calib_dir, root / "oscar_logits.pt")
+    except Exception as e:  # recorded, not hidden
+        report["logits_check"] = {"error": repr(e)[:2000]}
+    report["wall_s"] = time.time() - t_start
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "logs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
