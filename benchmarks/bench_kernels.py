@@ -132,13 +132,13 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
     for impl in impls:
         name, _, opt = impl.partition(":")
         plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
-                          programs_per_sm=int(opt) if opt.isdigit() else 4).update(batch)
+                          **({"programs_per_sm": int(opt)} if opt.isdigit() else {})).update(batch)
         try:
             if name == "cuda":
                 fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa
-            elif name == "cudafused":
+            elif name in ("cudafused", "cudasplit"):
                 fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
-                                                   fused=True)
+                                                   fused=name == "cudafused")
             else:  # triton, triton:nw
                 nw = int(opt) if opt.isdigit() else 4
                 plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)

@@ -153,11 +153,12 @@ def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
 def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool = False,
+    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None,
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
-    groups go to the Triton kernel). ``fused``: both tiers in one launch (else one launch per tier)."""
+    groups go to the Triton kernel). ``fused``: both tiers in one launch, else one launch per tier (default:
+    fused for at most 64 (sequence, KV head) pairs, where the extra launch costs more than the registers)."""
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads
@@ -170,6 +171,10 @@ def decode_attention_cuda(
         plan = DecodePlan(B, hq, fmt.num_kv_heads, d, fmt.page_size, block_table.shape[1], k16.shape[2],
                           device=q.device)
     _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
+    if plan.num_splits > 4096:
+        raise ValueError(f"{plan.num_splits} splits exceed the merge kernel's 4096: use fewer programs_per_sm")
+    if fused is None:
+        fused = B * fmt.num_kv_heads <= 64
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:

@@ -36,7 +36,9 @@ class DecodePlan:
         max_len16: capacity ``C16`` of the 16-bit tier buffer.
         device: where the workspace lives.
         block_n: tokens per kernel iteration (a multiple of ``page_size`` or a divisor of it, at least 16).
-        programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count.
+        programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count
+            (16: about four waves of the CUDA kernel's four resident programs, which smooths the tail;
+            measured on the H200, docs/results/kernels_h200.md).
         tokens16_per_split: 16-bit-tier tokens per split.
         num_sms: multiprocessors to fill (default: read from the device).
         min_pages_per_split: lower bound on a split's length, so that short contexts do not pay a program's
@@ -56,13 +58,11 @@ class DecodePlan:
     max_len16: int
     device: torch.device | str = "cpu"
     block_n: int | None = None
-    programs_per_sm: int = 4
+    programs_per_sm: int = 16
     tokens16_per_split: int = 128
     num_sms: int | None = None
     min_pages_per_split: int = 4
     # filled by __post_init__ / update
-    o_part: Tensor = field(init=False, repr=False)
-    lse_part: Tensor = field(init=False, repr=False)
     batch: int = field(init=False, default=0)
     pages_per_split: int = field(init=False, default=1)
     num_qsplits: int = field(init=False, default=1)
@@ -83,13 +83,25 @@ class DecodePlan:
         if self.num_sms is None:
             self.num_sms = _num_sms(self.device)
         self.num_splits16 = math.ceil(self.max_len16 / self.tokens16_per_split) if self.max_len16 else 0
-        cap = self._splits_for(1, self.max_pages * ps)[1] + self.num_splits16
-        self.max_splits = max(1, cap)
-        self.o_part = torch.empty(self.max_batch, self.num_q_heads, self.max_splits, self.head_dim,
-                                  dtype=torch.float32, device=self.device)
-        self.lse_part = torch.empty(self.max_batch, self.num_q_heads, self.max_splits, dtype=torch.float32,
-                                    device=self.device)
+        cap = self.max_pages * ps
+        # workspace for the largest batch * splits over every batch size (the split count falls as batch grows)
+        self.max_splits = max(1, self._splits_for(1, cap)[1] + self.num_splits16)
+        rows = max(b * (self._splits_for(b, cap)[1] + self.num_splits16) for b in range(1, self.max_batch + 1))
+        self._o_flat = torch.empty(rows * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device)
+        self._lse_flat = torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=self.device)
         self.update(self.max_batch)
+
+    @property
+    def o_part(self) -> Tensor:
+        """Partial outputs ``[batch, Hq, num_splits, d]`` float32 (a view of the preallocated workspace)."""
+        n = self.batch * self.num_q_heads * self.num_splits * self.head_dim
+        return self._o_flat[:n].view(self.batch, self.num_q_heads, self.num_splits, self.head_dim)
+
+    @property
+    def lse_part(self) -> Tensor:
+        """Partial log-sum-exps (base 2) ``[batch, Hq, num_splits]`` float32."""
+        n = self.batch * self.num_q_heads * self.num_splits
+        return self._lse_flat[:n].view(self.batch, self.num_q_heads, self.num_splits)
 
     def _splits_for(self, batch: int, max_tokens: int) -> tuple[int, int]:
         """(pages_per_split, num_qsplits) for ``batch`` sequences of at most ``max_tokens`` 2-bit tokens."""
@@ -110,8 +122,9 @@ class DecodePlan:
         max_tokens = cap if max_tokens is None else min(int(max_tokens), cap)
         self.batch = batch
         self.pages_per_split, self.num_qsplits = self._splits_for(batch, max_tokens)
-        if self.num_qsplits + self.num_splits16 > self.max_splits:  # more splits for a smaller batch than at 1
-            self.pages_per_split, self.num_qsplits = self._splits_for(1, cap)
+        rows = self._o_flat.numel() // (self.num_q_heads * self.head_dim)
+        if batch * self.num_splits > rows:  # cannot happen for max_tokens <= capacity; guard the workspace
+            self.pages_per_split, self.num_qsplits = self._splits_for(batch, cap)
         return self
 
     @property

@@ -518,24 +518,55 @@ struct MergeParams {
   int64_t so_b, so_h, so_s, sl_b, sl_h, sout_b, sout_h, hq, num_splits, out_dtype;  // 0 f32, 1 f16, 2 bf16
 };
 
-// One CTA per (sequence, query head), D threads: out = sum_s 2^(lse_s - lse) o_s.
+constexpr int MERGE_MAX_SPLITS = 4096;
+
+__device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[w] = x;
+  __syncthreads();
+  x = red[0];
+  for (int i = 1; i < nw; ++i) x = is_max ? fmaxf(x, red[i]) : x + red[i];
+  return x;
+}
+
+// One CTA per (sequence, query head), D threads: out = sum_s 2^(lse_s - lse) o_s. The split weights are
+// computed in parallel into shared memory, then every thread sums its column with independent loads in flight.
 extern "C" __global__ void oscar_decode_merge(const MergeParams p) {
+  __shared__ float w[MERGE_MAX_SPLITS];
+  __shared__ float red[32];
   const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, d = threadIdx.x;
+  const int S = (int)p.num_splits;
   const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
   const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
   float mx = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, lse[s]);
-  float den = 0.f, num = 0.f;
-  if (mx > -INFINITY)
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float ls = lse[s];
-      if (ls > -INFINITY) {
-        const float f = ex2(ls - mx);
-        den += f;
-        num += f * o[s * p.so_s + d];
-      }
-    }
-  const float r = den > 0.f ? num / den : 0.f;
+  for (int s = d; s < S; s += blockDim.x) {
+    w[s] = lse[s];
+    mx = fmaxf(mx, w[s]);
+  }
+  mx = block_reduce(mx, true, red);
+  float den = 0.f;
+  for (int s = d; s < S; s += blockDim.x) {
+    const float f = (mx > -INFINITY && w[s] > -INFINITY) ? ex2(w[s] - mx) : 0.f;
+    w[s] = f;
+    den += f;
+  }
+  den = block_reduce(den, false, red);
+  __syncthreads();
+  float num[4] = {0.f, 0.f, 0.f, 0.f};
+  int s = 0;
+  for (; s + 4 <= S; s += 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (w[s + i] != 0.f) num[i] += w[s + i] * o[(int64_t)(s + i) * p.so_s + d];
+  }
+  for (; s < S; ++s)
+    if (w[s] != 0.f) num[0] += w[s] * o[(int64_t)s * p.so_s + d];
+  const float r = den > 0.f ? (num[0] + num[1] + num[2] + num[3]) / den : 0.f;
   const int64_t off = b * p.sout_b + hq * p.sout_h + d;
   if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off] = r;
   else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(r);
