@@ -88,7 +88,7 @@ def _write_methods_info(s: Session, methods: Sequence[str]) -> None:
     path = Path(s.store.root) / s.store.path(s.model_name, "x", "x", "x", 0).parent.parent.parent.name / "methods.json"
     info = json.loads(path.read_text()) if path.is_file() else {"model": s.model_name, "methods": {}}
     for m in methods:
-        info["methods"][m] = s.backend.describe(s.model, m)
+        info["methods"][m] = s.describe(m)
     info["calibration"] = s.calib_tag
     info["calibration_provenance"] = getattr(s.calibration, "provenance", None)
     info["text"] = {"name": s.text.name, "sha256": s.text.sha256, **s.text.provenance}

@@ -80,3 +80,17 @@ def test_fidelity_zero_for_reference_and_per_layer(tiny_session):
     assert recs["bf16"]["attn_rel_err"] == [0.0, 0.0] and recs["bf16"]["logit_rel_err"] == 0.0
     assert len(recs["q2"]["attn_rel_err"]) == 2 and min(recs["q2"]["attn_rel_err"]) > 0
     assert recs["q2"]["positions"] == 10
+
+
+def test_evaluate_runs_plan_and_writes_report_and_methods_info(tiny_session):
+    import json
+
+    from oscarkv.eval.runner import Plan, evaluate
+
+    s = tiny_session()
+    out = evaluate(s, Plan(methods=["fp32", "bf16", "q2"], tasks=["kld", "greedy"], contexts=[40], windows=1,
+                           greedy_prompts=1, greedy_tokens=4))
+    assert out["new_units"] == {"lm@40": 3, "greedy@40": 3}
+    info = json.loads((s.store.root / "tiny" / "methods.json").read_text())
+    assert info["methods"]["fp32"]["bits"] == 32.0 and info["methods"]["q2"]["bits"] == 4.0
+    assert "KLD@40" in open(out["report"]).read()
