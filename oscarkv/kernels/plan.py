@@ -36,9 +36,10 @@ class DecodePlan:
         max_len16: capacity ``C16`` of the 16-bit tier buffer.
         device: where the workspace lives.
         block_n: tokens per kernel iteration (a multiple of ``page_size`` or a divisor of it, at least 16).
-        programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count
-            (16: about four waves of the CUDA kernel's four resident programs, which smooths the tail;
-            measured on the H200, docs/results/kernels_h200.md).
+        programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count.
+            Default (None): 16 (about four waves of the CUDA kernel's four resident programs, which smooths
+            the tail), except 4 when a single (sequence, KV head) group of work spans 1024+ pages, where
+            short splits cost more in fixed work than they gain (H200 measurements, docs/results/).
         tokens16_per_split: 16-bit-tier tokens per split.
         num_sms: multiprocessors to fill (default: read from the device).
         min_pages_per_split: lower bound on a split's length, so that short contexts do not pay a program's
@@ -58,7 +59,7 @@ class DecodePlan:
     max_len16: int
     device: torch.device | str = "cpu"
     block_n: int | None = None
-    programs_per_sm: int = 16
+    programs_per_sm: int | None = None
     tokens16_per_split: int = 128
     num_sms: int | None = None
     min_pages_per_split: int = 4
@@ -107,7 +108,11 @@ class DecodePlan:
         """(pages_per_split, num_qsplits) for ``batch`` sequences of at most ``max_tokens`` 2-bit tokens."""
         ps, bn = self.page_size, self.block_n
         pages = max(1, math.ceil(max_tokens / ps))
-        want = max(1, math.ceil(self.programs_per_sm * self.num_sms / (batch * self.num_kv_heads)))
+        units = batch * self.num_kv_heads
+        ppsm = self.programs_per_sm
+        if ppsm is None:
+            ppsm = 4 if units <= 8 and pages >= 1024 else 16
+        want = max(1, math.ceil(ppsm * self.num_sms / units))
         pps = max(math.ceil(pages / min(want, pages)), self.min_pages_per_split)
         step = max(1, bn // ps)  # a split covers whole kernel iterations
         pps = math.ceil(pps / step) * step
