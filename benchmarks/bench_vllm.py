@@ -6,8 +6,8 @@ context under the same ``gpu_memory_utilization``, and OSCAR logits against the 
 A random-weight Qwen3-shaped model (28 layers, 16/8 heads, d=128) is written first, with a random calibration
 (orthogonal rotations, small means, clip 0.96/0.92, sink 64 + window 256). Each engine runs in its own process
 (``--child``) so the two never share GPU memory. Both run eager (``enforce_eager``): the OSCAR backend supports no
-CUDA graphs yet. The BF16 baseline uses vLLM's TRITON_ATTN backend (the slim vLLM carried to the H200 has no
-FlashAttention binaries). A deadline bounds the whole run; phases past it are recorded as skipped.
+CUDA graphs yet. The BF16 baseline uses vLLM's default backend (FlashAttention 3 on the H200; the slim carry keeps
+its binary). A deadline bounds the whole run; phases past it are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -63,8 +63,6 @@ def child(spec: dict) -> None:
               enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1)
     if spec.get("oscar"):
         kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
-    else:
-        kw.update(attention_config={"backend": "TRITON_ATTN"})
     t0 = time.time()
     llm = LLM(**kw)
     out = {"engine_start_s": time.time() - t0}
@@ -146,6 +144,7 @@ def provenance() -> dict:
     import torch
 
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = os.environ.get("OSCARKV_GIT_SHA") or (sha if len(sha) == 40 else "unknown (no .git on the device)")
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "git": sha,
             "vllm": __import__("vllm").__version__, "triton": __import__("triton").__version__}
 

@@ -3,7 +3,8 @@
 #
 # Prepare here (once):   bash benchmarks/vllm_h200.sh prepare     (downloads into .carry/, ignored by git)
 # Device call 1:         bash benchmarks/vllm_h200.sh stage1      carry: .carry/vllm-so           (~55 MB)
-# Device call 2 (warm):  bash benchmarks/vllm_h200.sh stage2      carry: .carry/vllm-rest         (~24 MB)
+# Device call 2 (warm):  OSCARKV_GIT_SHA=<sha> bash benchmarks/vllm_h200.sh stage2   carry: .carry/vllm-rest (~35 MB)
+# (within the 30 s the machine stays warm: stage1 leaves the library in /tmp/slim on that machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -12,7 +13,8 @@ prepare)
   mkdir -p .carry/vllm-so .carry/vllm-rest/whl
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d "$tmp" vllm==0.26.0
-  (cd "$tmp" && unzip -q vllm-0.26.0-*.whl && rm -rf vllm/vllm_flash_attn/_vllm_fa*_C.abi3.so \
+  # Keep FlashAttention 3 (vLLM refuses to import its attention layers without an FA binary; 11 MB in xz).
+  (cd "$tmp" && unzip -q vllm-0.26.0-*.whl && rm -rf vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so \
     vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs vllm/_flashmla* vllm/_qutlass* \
     vllm/third_party/fmha_sm100 vllm/third_party/deep_gemm)
   xz -9 -c "$tmp/vllm/_C_stable_libtorch.abi3.so" > .carry/vllm-so/C.so.xz

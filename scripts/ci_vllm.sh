@@ -59,6 +59,6 @@ fi
 t0=$(date +%s)
 # Engine tests start ~6 vLLM engines, two at a time; the other files import vLLM but start none.
 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  "$PY" -m pytest -q -rP -p no:cacheprovider tests/integrations/vllm/test_plugin.py \
+  "$PY" -m pytest -q -rP --durations=5 -p no:cacheprovider tests/integrations/vllm/test_plugin.py \
   tests/integrations/vllm/test_engine.py "$@"
 echo "vLLM tests took $(( $(date +%s) - t0 )) s; CI vLLM stage took $(( $(date +%s) - start )) s"
