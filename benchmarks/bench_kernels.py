@@ -197,7 +197,8 @@ def bench_extend(prefix: int, chunk: int) -> dict:
     qs = q.transpose(1, 2)
     ks = torch.randn(1, HKV, prefix + chunk, D, device="cuda", dtype=torch.bfloat16)
     vs = torch.randn_like(ks)
-    for name, backends in (("sdpa_cudnn_ms", [SDPBackend.CUDNN_ATTENTION]), ("sdpa_flash_ms", [SDPBackend.FLASH_ATTENTION])):
+    for name, backends in (("sdpa_cudnn_ms", [SDPBackend.CUDNN_ATTENTION]),
+                           ("sdpa_flash_ms", [SDPBackend.FLASH_ATTENTION])):
         def fn():
             with sdpa_kernel(backends):
                 return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
@@ -261,8 +262,8 @@ def main() -> int:
                 bf16_gb = bs * ctx * HKV * D * 2 * 2 / 1e9
                 row = bench_decode(bs, ctx, args.impls.split(","), with_sdpa=bf16_gb <= args.max_gb)
                 res["decode"].append(row)
-                cells = [f"{k}={v['ms']:.4f}ms/{v['TBps']:.2f}TB/s/s{v['splits']}" if "ms" in v else f"{k}=ERR {v['error']}"
-                         for k, v in row.items() if isinstance(v, dict)]
+                cells = [f"{k}={v['ms']:.4f}ms/{v['TBps']:.2f}TB/s/s{v['splits']}" if "ms" in v
+                         else f"{k}=ERR {v['error']}" for k, v in row.items() if isinstance(v, dict)]
                 print(f"ctx {ctx} bs {bs} sdpa={row.get('sdpa_bf16_ms')}", *cells, flush=True)
     if "quantize" not in skip:
         for rot in (False, True):

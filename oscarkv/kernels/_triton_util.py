@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton kernel modules (import only from those modules: they need triton)."""
+"""Small helpers shared by the kernel launchers (device checks, pool strides, interpreter detection)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,6 @@ import os
 
 import torch
 from torch import Tensor
-
-import triton.language as tl
-
-LOG2E = 1.4426950408889634
 
 
 def interpreting() -> bool:
@@ -43,10 +39,6 @@ def check_pool_strides(k_pages, v_pages, device: torch.device) -> None:
 def pool_strides(pages) -> tuple[int, int, int, int]:
     """(codes page stride, codes head stride, meta page stride, meta head stride) in elements."""
     return pages.codes.stride(0), pages.codes.stride(1), pages.scale.stride(0), pages.scale.stride(1)
-
-
-def meta_tl_dtype(dtype: torch.dtype):
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
 def next_pow2(n: int) -> int:

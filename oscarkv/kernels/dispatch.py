@@ -143,5 +143,5 @@ def extend_attention(
                                    sm_scale, out=out)
 
 
-__all__ = ["BACKENDS", "DecodePlan", "use_reference", "quantize_write", "demote", "decode_attention", "extend_attention",
-           "triton_available"]
+__all__ = ["BACKENDS", "DecodePlan", "use_reference", "quantize_write", "demote", "decode_attention",
+           "extend_attention", "triton_available"]
