@@ -143,7 +143,9 @@ def quantize(
     lo = grouped.amin(dim=-1)
     hi = grouped.amax(dim=-1)
     levels = (1 << bits) - 1
-    scale = (hi - lo) / levels
+    # Divide by a tensor: torch on CUDA turns division by a Python scalar into a multiply by its reciprocal,
+    # which is not the correctly rounded quotient the format prescribes (and differs from the CPU result).
+    scale = (hi - lo) / torch.full_like(hi, float(levels))
     scale_s = scale.to(mdt)
     lo_s = lo.to(mdt)
     if check_finite and not (torch.isfinite(scale_s).all() and torch.isfinite(lo_s).all()):
