@@ -79,3 +79,27 @@ def test_right_padding_is_rejected():
     with ohf.apply(model, calib, "oscar") as h:
         with pytest.raises(ValueError, match="left padding"):
             model(ids, attention_mask=mask, cache=h.cache())
+
+
+def test_generate_with_chunked_prefill():
+    """transformers' prefill_chunk_size: each chunk attends to the earlier ones as stored (same as feeding the
+    chunks by hand), also with a left-padded batch."""
+    model, calib = _setup("qwen3")
+    ids = torch.randint(1, VOCAB, (1, 23), generator=torch.Generator().manual_seed(4))
+    with ohf.apply(model, calib, "oscar", window_dtype=torch.float32) as h:
+        out = model.generate(input_ids=ids, cache=h.cache(), max_new_tokens=10, do_sample=False,
+                             prefill_chunk_size=5)
+        cache, seq = h.cache(), ids
+        for t in range(0, 23, 5):
+            logits = model(ids[:, t: t + 5], cache=cache).logits
+        for _ in range(10):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            logits = model(nxt, cache=cache).logits
+        assert torch.equal(out, seq)
+        mask = torch.ones(2, 23, dtype=torch.long)
+        mask[1, :9] = 0
+        cache = h.cache()
+        model.generate(input_ids=ids.repeat(2, 1), attention_mask=mask, cache=cache, max_new_tokens=4,
+                       do_sample=False, prefill_chunk_size=5)
+        assert cache.layers[0].store.n == [26, 17]
