@@ -57,7 +57,7 @@ if [ -x "$MAIN_PY" ]; then
 fi
 
 t0=$(date +%s)
-# Engine tests start ~6 vLLM engines, two at a time; the other files import vLLM but start none.
+# Engine tests start 6 vLLM engines, three at a time; test_plugin imports vLLM but starts none.
 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   "$PY" -m pytest -q -rP --durations=5 -p no:cacheprovider tests/integrations/vllm/test_plugin.py \
   tests/integrations/vllm/test_engine.py "$@"

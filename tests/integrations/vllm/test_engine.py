@@ -3,6 +3,7 @@
 
 Engines: vLLM's own CPU backend (plugin not loaded), the plugin with method ``bf16``, OSCAR at TP=1 and TP=2 on a
 tiny random Llama, OSCAR on SmolLM2-135M (against the transformers integration), and one start that must fail.
+They run three at a time (OSCARKV_VLLM_TEST_JOBS).
 """
 
 import json
@@ -76,7 +77,7 @@ def tiny() -> tuple[str, str]:
     return str(model_dir), str(calib_dir)
 
 
-_POOL = ThreadPoolExecutor(max_workers=int(os.environ.get("OSCARKV_VLLM_TEST_JOBS", "2")))
+_POOL = ThreadPoolExecutor(max_workers=int(os.environ.get("OSCARKV_VLLM_TEST_JOBS", "3")))
 _RUNS: dict = {}
 
 
@@ -119,7 +120,7 @@ def _specs() -> dict:
 
 
 def engine(name: str) -> tuple[list | None, str]:
-    """The result of a named run; all runs start on first use, two at a time (they are mostly start-up)."""
+    """The result of a named run; all runs start on first use, three at a time (mostly start-up)."""
     if not _RUNS:
         for key, (args, env) in _specs().items():
             _RUNS[key] = _POOL.submit(run_engine, args, env)
