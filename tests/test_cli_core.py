@@ -31,7 +31,8 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
     spec = tmp_path / "spec.yaml"
     spec.write_text("sink: 4\nwindow: 8\nclip_grid: [1.0, 0.9, 0.8]\n")
     rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
-               "256", "--seq-len", "64", "--out", str(out), "--config", str(spec), "--granularity", "head", "--quiet"])
+               "256", "--seq-len", "64", "--out", str(out), "--config", str(spec), "--granularity", "head", "--quiet",
+               "--threads", "1"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "bits/element" in text and f"saved        {out.resolve()}" in text and "llama" in text
