@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from oscarkv import models
 from oscarkv.artifact import Calibration
@@ -27,12 +28,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
     out = tmp_path / "calib"
     spec = tmp_path / "spec.yaml"
     spec.write_text("sink: 4\nwindow: 8\nclip_grid: [1.0, 0.9, 0.8]\n")
     rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
                "256", "--seq-len", "64", "--out", str(out), "--config", str(spec), "--granularity", "head", "--quiet",
                "--threads", "1"])
+    torch.set_num_threads(threads)  # the CLI set it for its process; restore for the rest of the test session
     assert rc == 0
     text = capsys.readouterr().out
     assert "bits/element" in text and f"saved        {out.resolve()}" in text and "llama" in text
