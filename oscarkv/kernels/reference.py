@@ -81,6 +81,13 @@ def gather_dequant_ref(pages: QuantPages, block_table: Tensor, b: int, ntok: int
     return x.permute(1, 0, 2, 3).reshape(fmt.num_kv_heads, npages * fmt.page_size, fmt.head_dim)[:, :ntok]
 
 
+def _stored_prefix(pages: QuantPages, buf16: Tensor, len16: Tensor, qlen: Tensor, block_table: Tensor, b: int,
+                   dtype: torch.dtype) -> Tensor:
+    """Sequence ``b``'s stored rows ``[Hkv, len16 + qlen, d]``: its 16-bit slots, then its dequantized 2-bit tier."""
+    n16, nq = int(len16[b]), int(qlen[b])
+    return torch.cat([buf16[b, :, :n16].to(dtype), gather_dequant_ref(pages, block_table, b, nq).to(dtype)], 1)
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, sm_scale: float, mask: Tensor | None = None) -> Tensor:
     """q ``[Hq, M, d]``, k/v ``[Hkv, N, d]`` (GQA by repetition), mask ``[M, N]`` bool (True = attend)."""
     g = q.shape[0] // k.shape[0]
@@ -114,12 +121,11 @@ def decode_attention_ref(
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     out = torch.zeros(B, Hq, d, dtype=dtype, device=q.device)
     for b in range(B):
-        n16, nq = int(len16[b]), int(qlen[b])
-        ks = [k16[b, :, :n16].to(dtype), gather_dequant_ref(k_pages, block_table, b, nq).to(dtype)]
-        vs = [v16[b, :, :n16].to(dtype), gather_dequant_ref(v_pages, block_table, b, nq).to(dtype)]
-        if n16 + nq == 0:
+        k = _stored_prefix(k_pages, k16, len16, qlen, block_table, b, dtype)
+        if k.shape[1] == 0:
             continue
-        out[b] = _attend(q[b].to(dtype).unsqueeze(1), torch.cat(ks, 1), torch.cat(vs, 1), sm_scale).squeeze(1)
+        v = _stored_prefix(v_pages, v16, len16, qlen, block_table, b, dtype)
+        out[b] = _attend(q[b].to(dtype).unsqueeze(1), k, v, sm_scale).squeeze(1)
     return out
 
 
@@ -146,9 +152,8 @@ def extend_attention_ref(
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     out = torch.zeros(B, T, Hq, d, dtype=dtype, device=q.device)
     for b in range(B):
-        n16, nq = int(len16[b]), int(qlen[b])
-        kp = torch.cat([k16[b, :, :n16].to(dtype), gather_dequant_ref(k_pages, block_table, b, nq).to(dtype)], 1)
-        vp = torch.cat([v16[b, :, :n16].to(dtype), gather_dequant_ref(v_pages, block_table, b, nq).to(dtype)], 1)
+        kp = _stored_prefix(k_pages, k16, len16, qlen, block_table, b, dtype)
+        vp = _stored_prefix(v_pages, v16, len16, qlen, block_table, b, dtype)
         k = torch.cat([kp, k_new[b].transpose(0, 1).to(dtype)], 1)
         v = torch.cat([vp, v_new[b].transpose(0, 1).to(dtype)], 1)
         npre = kp.shape[1]
