@@ -5,6 +5,9 @@
 # Device call 1:         bash benchmarks/vllm_h200.sh stage1      carry: .carry/vllm-so           (~55 MB)
 # Device call 2 (warm):  OSCARKV_GIT_SHA=<sha> bash benchmarks/vllm_h200.sh stage2   carry: .carry/vllm-rest (~35 MB)
 # (within the 30 s the machine stays warm: stage1 leaves the library in /tmp/slim on that machine).
+# Tensor parallelism (issue 8, kind nvidia-h200-x2): stage1, then `bash benchmarks/vllm_h200.sh tp1` and
+# `... tp2` (carry .carry/vllm-rest each; the second finds the model written by the first if the machine is warm),
+# then locally: python benchmarks/bench_vllm_tp.py --merge tp1.json tp2.json --out docs/results/vllm_tp2_h200.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -36,17 +39,25 @@ prepare)
 stage1)
   mkdir -p /tmp/slim && xz -dc .carry/vllm-so/C.so.xz > /tmp/slim/_C_stable_libtorch.abi3.so
   ls -la /tmp/slim; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
-stage2)
+stage2|tp1|tp2)
   [ -f /tmp/slim/_C_stable_libtorch.abi3.so ] || { echo "stage1's files are gone (a fresh machine): run stage1 again"; exit 3; }
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
   mkdir -p /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/vllm-rest/whl/*.whl
-  tar xJf .carry/vllm-rest/vllm.tar.xz -C /tmp/site
-  cp /tmp/slim/_C_stable_libtorch.abi3.so /tmp/site/vllm/
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device KINDS.md
+  if [ ! -f /tmp/site/vllm/_C_stable_libtorch.abi3.so ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/vllm-rest/whl/*.whl
+    tar xJf .carry/vllm-rest/vllm.tar.xz -C /tmp/site
+    cp /tmp/slim/_C_stable_libtorch.abi3.so /tmp/site/vllm/
+  fi
+  rm -rf /tmp/site/oscarkv /tmp/site/oscar_kv*  # always this checkout's package
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
   export PYTHONPATH=/tmp/site
-  python3 benchmarks/bench_vllm.py --out "${OUT:-.}/vllm_h200.json" --deadline "${DEADLINE:-200}" ;;
+  if [ "$1" = stage2 ]; then
+    python3 benchmarks/bench_vllm.py --out "${OUT:-.}/vllm_h200.json" --deadline "${DEADLINE:-200}"
+  else
+    python3 benchmarks/bench_vllm_tp.py --phase "$1" --out "${OUT:-.}/$1.json" --deadline "${DEADLINE:-500}"
+  fi ;;
 *)
-  echo "usage: $0 prepare|stage1|stage2"; exit 2 ;;
+  echo "usage: $0 prepare|stage1|stage2|tp1|tp2"; exit 2 ;;
 esac
