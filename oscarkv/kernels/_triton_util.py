@@ -22,18 +22,36 @@ def check_device(what: str, t: Tensor, device: torch.device) -> None:
 
 def check_pool_strides(k_pages, v_pages, device: torch.device) -> None:
     """Pools may be strided views (e.g. carved from one vLLM block tensor) as long as every (page, head) block is
-    ``page_size`` contiguous rows and K and V share their strides."""
-    fmt = k_pages.fmt
-    for name, t, row in (("codes", k_pages.codes, fmt.row_bytes), ("scale", k_pages.scale, fmt.groups),
-                         ("offset", k_pages.offset, fmt.groups)):
-        vt = getattr(v_pages, name)
-        check_device(f"K {name}", t, device)
-        check_device(f"V {name}", vt, device)
-        if t.stride(3) != 1 or t.stride(2) != row or vt.stride() != t.stride():
-            raise ValueError(f"page pool {name} must have rows of {row} contiguous elements and equal K/V "
-                             f"strides, got K {t.stride()} V {vt.stride()}")
-    if k_pages.scale.stride() != k_pages.offset.stride():
-        raise ValueError("scale and offset must have equal strides")
+    ``page_size`` contiguous rows (codes, token-page metadata) or one contiguous ``d``-vector (channel-page
+    metadata), K and V codes share their strides, and so does the metadata of K and V when their layouts agree."""
+    for side, pages in (("K", k_pages), ("V", v_pages)):
+        fmt = pages.fmt
+        mrows, mcols = fmt.meta_shape
+        for name, t, shape in (("codes", pages.codes, (fmt.page_size, fmt.row_bytes)),
+                               ("scale", pages.scale, (mrows, mcols)), ("offset", pages.offset, (mrows, mcols))):
+            check_device(f"{side} {name}", t, device)
+            if t.ndim != 4 or tuple(t.shape[2:]) != shape or t.shape[1] != fmt.num_kv_heads:
+                raise ValueError(f"{side} page pool {name} must be [pages, {fmt.num_kv_heads}, {shape[0]}, "
+                                 f"{shape[1]}] ({fmt.layout} layout), got {tuple(t.shape)}")
+            if t.stride(3) != 1 or (shape[0] > 1 and t.stride(2) != shape[1]):
+                raise ValueError(f"{side} page pool {name} must have rows of {shape[1]} contiguous elements, "
+                                 f"got strides {t.stride()}")
+        if pages.scale.stride() != pages.offset.stride():
+            raise ValueError(f"{side} scale and offset must have equal strides")
+    if v_pages.codes.stride() != k_pages.codes.stride():
+        raise ValueError(f"K and V codes must have equal strides, got {k_pages.codes.stride()} and "
+                         f"{v_pages.codes.stride()}")
+    if k_pages.fmt.layout == v_pages.fmt.layout and v_pages.scale.stride() != k_pages.scale.stride():
+        raise ValueError(f"K and V metadata must have equal strides, got {k_pages.scale.stride()} and "
+                         f"{v_pages.scale.stride()}")
+
+
+def check_kv_formats(k_pages, v_pages) -> None:
+    """K and V pools must agree on everything but the key layout; values are always token pages."""
+    if v_pages.fmt.channel:
+        raise ValueError("values are stored in token pages only; channel pages are a key format")
+    if not k_pages.fmt.same_geometry(v_pages.fmt):
+        raise ValueError(f"K and V page formats differ beyond the key layout: {k_pages.fmt} vs {v_pages.fmt}")
 
 
 def pool_strides(pages) -> tuple[int, int, int, int]:

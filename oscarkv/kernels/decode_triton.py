@@ -19,7 +19,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._triton_util import check_device, check_pool_strides, interpreting, next_pow2, pool_strides
+from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2, pool_strides
 from .layout import QuantPages
 from .plan import DecodePlan
 
@@ -108,13 +108,42 @@ def _pv(p, c, MMA: tl.constexpr):
 
 
 @triton.jit
+def _channel_scores(x0, x1, x2, x3, ks_ptr, ko_ptr, kmeta, c, k0, k1, k2, k3,
+                    DQ: tl.constexpr, MMA: tl.constexpr, QSPLIT: tl.constexpr):
+    """Logits over one channel page: ``q . k^_t = sum_c (q_c s_c) code_tc + sum_c q_c o_c``, with the page's
+    per-channel scale folded into the (float32, log2-domain) query fields ``x_j`` ``[GP, DQ]``."""
+    ks0 = tl.load(ks_ptr + kmeta + c).to(tl.float32)
+    ks1 = tl.load(ks_ptr + kmeta + DQ + c).to(tl.float32)
+    ks2 = tl.load(ks_ptr + kmeta + 2 * DQ + c).to(tl.float32)
+    ks3 = tl.load(ks_ptr + kmeta + 3 * DQ + c).to(tl.float32)
+    ko0 = tl.load(ko_ptr + kmeta + c).to(tl.float32)
+    ko1 = tl.load(ko_ptr + kmeta + DQ + c).to(tl.float32)
+    ko2 = tl.load(ko_ptr + kmeta + 2 * DQ + c).to(tl.float32)
+    ko3 = tl.load(ko_ptr + kmeta + 3 * DQ + c).to(tl.float32)
+    off = tl.sum(x0 * ko0[None, :] + x1 * ko1[None, :] + x2 * ko2[None, :] + x3 * ko3[None, :], axis=1)
+    y0, y1, y2, y3 = x0 * ks0[None, :], x1 * ks1[None, :], x2 * ks2[None, :], x3 * ks3[None, :]
+    if MMA:  # float16 operands, like the token path's query (rounding 2^-11 relative)
+        h0, h1, h2, h3 = y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16)
+        s = _scores(h0, h1, h2, h3, k0, k1, k2, k3, MMA)
+        if QSPLIT:
+            s += _scores((y0 - h0.to(tl.float32)).to(tl.float16), (y1 - h1.to(tl.float32)).to(tl.float16),
+                         (y2 - h2.to(tl.float32)).to(tl.float16), (y3 - h3.to(tl.float32)).to(tl.float16),
+                         k0, k1, k2, k3, MMA)
+    else:
+        s = _scores(y0, y1, y2, y3, k0, k1, k2, k3, MMA)
+    return s + off[:, None]
+
+
+@triton.jit
 def _decode_2bit(
-    q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt,
-    b, h, tok_lo, tok_hi, sm_scale,
+    q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh,
+    bt_ptr, s_bt, b, h, tok_lo, tok_hi, sm_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    MMA: tl.constexpr, ASM: tl.constexpr, QSPLIT: tl.constexpr,
+    MMA: tl.constexpr, ASM: tl.constexpr, QSPLIT: tl.constexpr, KCH: tl.constexpr,
 ):
-    """Partial softmax of the G query heads of KV head ``h`` over 2-bit tokens ``[tok_lo, tok_hi)``."""
+    """Partial softmax of the G query heads of KV head ``h`` over 2-bit tokens ``[tok_lo, tok_hi)``.
+    ``KCH``: keys in channel pages (meta strides ``s_kmp``/``s_kmh``, one ``[d]`` scale/offset per page);
+    values always token pages (``s_mp``/``s_mh``)."""
     DQ: tl.constexpr = D // 4
     RB: tl.constexpr = D // 4
     gi = tl.arange(0, GP)
@@ -152,15 +181,19 @@ def _decode_2bit(
         kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
         vc = tl.load(vc_ptr + crow[:, None] + c[None, :])
         # rows past the sequence end hold stale bytes (maybe NaN metadata): masked loads give zeros
-        ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        ko = tl.load(ko_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         vs = tl.load(vs_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         vo = tl.load(vo_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         k0, k1, k2, k3 = _fields4(kc, ASM)
-        s = _scores(q0, q1, q2, q3, k0, k1, k2, k3, MMA)
-        if QSPLIT:
-            s += _scores(r0, r1, r2, r3, k0, k1, k2, k3, MMA)
-        s = s * ks[None, :] + qsum[:, None] * ko[None, :]
+        if KCH:  # a channel page holding a live token is written whole: its metadata is valid
+            s = _channel_scores(x0, x1, x2, x3, ks_ptr, ko_ptr, page * s_kmp + h * s_kmh, c, k0, k1, k2, k3,
+                                DQ, MMA, QSPLIT)
+        else:
+            ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+            ko = tl.load(ko_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+            s = _scores(q0, q1, q2, q3, k0, k1, k2, k3, MMA)
+            if QSPLIT:
+                s += _scores(r0, r1, r2, r3, k0, k1, k2, k3, MMA)
+            s = s * ks[None, :] + qsum[:, None] * ko[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -218,12 +251,13 @@ def _decode_16bit(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt,
+    q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh,
+    bt_ptr, s_bt,
     qlen_ptr, k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, o_ptr, lse_ptr, s_ob, s_oh, s_os, s_lb, s_lh,
     HKV, sm_scale, tok_per_split, num_qsplits, tok16_per_split,
     G: tl.constexpr, GP: tl.constexpr, GP16: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_16: tl.constexpr, MMA: tl.constexpr, ASM: tl.constexpr,
-    QSPLIT: tl.constexpr,
+    QSPLIT: tl.constexpr, KCH: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -235,8 +269,8 @@ def _decode_split_kernel(
         lo = split * tok_per_split
         hi = tl.minimum(lo + tok_per_split, ntok)
         m_i, l_i, osum, a0, a1, a2, a3 = _decode_2bit(
-            q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt,
-            b, h, lo, hi, sm_scale, G, GP, D, PS, MMA, ASM, QSPLIT)
+            q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh,
+            bt_ptr, s_bt, b, h, lo, hi, sm_scale, G, GP, D, PS, MMA, ASM, QSPLIT, KCH)
         DQ: tl.constexpr = D // 4
         c = tl.arange(0, DQ)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
@@ -301,8 +335,7 @@ def _check_decode(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
     if fmt.bits != 2 or fmt.groups != 1:
         raise ValueError(f"the Triton decode kernel supports bits=2 with one group per row (G = d); got bits="
                          f"{fmt.bits}, group_size={fmt.group_size}: use the reference (backend='reference')")
-    if v_pages.fmt != fmt:
-        raise ValueError("K and V page formats differ")
+    check_kv_formats(k_pages, v_pages)
     if d != fmt.head_dim or hq % fmt.num_kv_heads:
         raise ValueError(f"q [B, Hq, d] = {tuple(q.shape)} does not fit the pages (d={fmt.head_dim}, "
                          f"Hkv={fmt.num_kv_heads})")
@@ -338,6 +371,10 @@ def decode_attention_triton(
     ``plan``: a :class:`DecodePlan` (``plan.update(B)`` done); built on the fly when None (not graph-safe).
     ``out``: optional ``[B, Hq, d]`` output (dtype of q by default). ``mma``: tensor cores (default when
     the GQA group has at least 4 heads) or float32 CUDA cores. No host synchronisation.
+
+    Keys may be in channel pages (``k_pages.fmt.layout == "channel"``): per page the scale is folded into the
+    query (one ``d``-vector multiply) and the offset enters as one dot ``q . o``; every page holding a live
+    2-bit token must have been written whole (as the write path enforces).
     """
     B, hq, d = q.shape
     fmt = k_pages.fmt
@@ -358,13 +395,13 @@ def decode_attention_triton(
     nw = num_warps or (4 if mma else 8)
     _decode_split_kernel[grid](
         q, q.stride(0), q.stride(1), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes,
-        v_pages.scale, v_pages.offset, *pool_strides(k_pages), block_table, block_table.stride(0), qlen, k16, v16,
-        k16.stride(0),
+        v_pages.scale, v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1),
+        block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0),
         k16.stride(1), k16.stride(2), len16, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
         lse.stride(1), fmt.num_kv_heads, float(d**-0.5 if sm_scale is None else sm_scale),
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split,
         G=g, GP=gp, GP16=max(16, next_pow2(g)), D=d, DP=next_pow2(d), PS=fmt.page_size, BLOCK_N=plan.block_n,
-        BLOCK_16=32, MMA=mma, ASM=asm, QSPLIT=qsplit, num_warps=nw, num_stages=num_stages,
+        BLOCK_16=32, MMA=mma, ASM=asm, QSPLIT=qsplit, KCH=fmt.channel, num_warps=nw, num_stages=num_stages,
     )
     _merge_kernel[(B * hq,)](
         o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0),

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..quant import dequantize, quantize, QuantizedRows
+from ..quant import clip_index, dequantize, pack, quantize, QuantizedRows, unpack
 from .layout import QuantPages
 
 
@@ -27,8 +27,14 @@ def quantize_write_ref(
 
     ``mean``: ``[Hkv, d]`` subtracted first; ``rotation``: ``[d, d]`` or ``[Hkv, d, d]`` applied as ``x @ R``
     in float32. Bit-identical to :func:`oscarkv.quant.quantize` on the rotated rows.
+
+    Channel pages (``pages.fmt.layout == "channel"``, keys): rows come in whole pages (see
+    :func:`channel_page_ids`; a partial page raises ``ValueError``), no clipping (``clip_ratio`` must be 0);
+    codes and metadata equal ``quantize_per_channel(x_page [Hkv, page_size, d], group_size=page_size)``.
     """
     fmt = pages.fmt
+    if fmt.channel:
+        page_ids = channel_page_ids(slots, fmt.page_size)  # validates before anything is written
     keep = slots >= 0
     if not bool(keep.all()):
         x, slots = x[keep], slots[keep]
@@ -38,6 +44,9 @@ def quantize_write_ref(
     if rotation is not None:
         r = rotation.to(torch.float32)
         xf = torch.einsum("nhd,de->nhe", xf, r) if r.ndim == 2 else torch.einsum("nhd,hde->nhe", xf, r)
+    if fmt.channel:
+        _write_channel_pages(pages, xf, page_ids[page_ids >= 0], clip_ratio)
+        return
     q = quantize(xf, bits=fmt.bits, group_size=fmt.group_size, clip_ratio=clip_ratio, meta_dtype=fmt.meta_dtype,
                  check_finite=False)
     page = slots // fmt.page_size
@@ -45,6 +54,60 @@ def quantize_write_ref(
     pages.codes[page, :, row] = q.packed
     pages.scale[page, :, row] = q.scale
     pages.offset[page, :, row] = q.offset
+
+
+def channel_page_ids(slots: Tensor, page_size: int) -> Tensor:
+    """Page ids ``[N / page_size]`` (int64, -1 = a skipped all-padding page) of a channel-page write.
+
+    Channel pages are written whole: ``slots`` (``[N]``) must be consecutive runs ``page * page_size + (0 ..
+    page_size - 1)``, each run one page, or runs of negative slots (padding, skipped). Raises ``ValueError``
+    otherwise (a partially filled page cannot hold per-channel statistics of its tokens). Synchronises with
+    the device (validation on the host).
+    """
+    n = slots.shape[0]
+    if n % page_size:
+        raise ValueError(f"channel pages are written whole: got {n} rows, not a multiple of page_size "
+                         f"{page_size}; keep partial pages in the 16-bit tier until they are full")
+    runs = slots.reshape(-1, page_size).to(torch.int64)
+    pad = runs < 0
+    first = runs[:, :1]
+    whole = (first % page_size == 0) & (runs == first + torch.arange(page_size, device=slots.device)).all(1, True)
+    ok = pad.all(1, True) | (~pad.any(1, True) & whole)
+    if not bool(ok.all()):
+        bad = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"channel pages are written whole: rows [{bad * page_size}, {(bad + 1) * page_size}) "
+                         f"do not map to one whole page (slots must be page * {page_size} + 0..{page_size - 1} "
+                         "in order, or all negative)")
+    return torch.where(pad[:, 0], -1, first[:, 0] // page_size)
+
+
+def _write_channel_pages(pages: QuantPages, xf: Tensor, page_ids: Tensor, clip_ratio: float) -> None:
+    """``xf`` float32 ``[n * page_size, Hkv, d]`` (whole pages, in order) -> pages ``page_ids`` ``[n]``."""
+    fmt = pages.fmt
+    if clip_index(clip_ratio, fmt.head_dim) is not None:
+        raise ValueError(f"channel pages are not clipped (KIVI per-channel keys); got clip_ratio {clip_ratio}: "
+                         "pass 0")
+    x = xf.reshape(-1, fmt.page_size, fmt.num_kv_heads, fmt.head_dim).permute(0, 2, 1, 3)  # [n, Hkv, ps, d]
+    # == quantize_per_channel(x, bits, group_size=page_size, meta_dtype) (rows = channels), minus the NaN check
+    q = quantize(x.transpose(-1, -2), bits=fmt.bits, group_size=fmt.page_size, meta_dtype=fmt.meta_dtype,
+                 check_finite=False)
+    codes = unpack(q.packed, fmt.bits).transpose(-1, -2)  # [n, Hkv, ps, d]
+    pages.codes[page_ids] = pack(codes, fmt.bits)
+    pages.scale[page_ids] = q.scale.transpose(-1, -2)
+    pages.offset[page_ids] = q.offset.transpose(-1, -2)
+
+
+def dequantize_pages_ref(pages: QuantPages, ids: Tensor) -> Tensor:
+    """Dequantized pages ``ids`` (``[n]``) as float32 ``[n, Hkv, page_size, d]``, either layout
+    (``offset + code * scale``, method section 3)."""
+    fmt = pages.fmt
+    ids = ids.long()
+    if not fmt.channel:
+        rows = QuantizedRows(packed=pages.codes[ids], scale=pages.scale[ids], offset=pages.offset[ids],
+                             bits=fmt.bits, group_size=fmt.group, dim=fmt.head_dim)
+        return dequantize(rows)
+    codes = unpack(pages.codes[ids], fmt.bits).to(torch.float32)
+    return pages.offset[ids].to(torch.float32) + codes * pages.scale[ids].to(torch.float32)
 
 
 def demote_ref(
@@ -72,12 +135,7 @@ def gather_dequant_ref(pages: QuantPages, block_table: Tensor, b: int, ntok: int
     if ntok == 0:
         return torch.zeros(fmt.num_kv_heads, 0, fmt.head_dim, device=pages.codes.device)
     npages = math.ceil(ntok / fmt.page_size)
-    ids = block_table[b, :npages].long()
-    rows = QuantizedRows(
-        packed=pages.codes[ids], scale=pages.scale[ids], offset=pages.offset[ids],
-        bits=fmt.bits, group_size=fmt.group, dim=fmt.head_dim,
-    )
-    x = dequantize(rows)  # [npages, Hkv, page, d]
+    x = dequantize_pages_ref(pages, block_table[b, :npages])  # [npages, Hkv, page, d]
     return x.permute(1, 0, 2, 3).reshape(fmt.num_kv_heads, npages * fmt.page_size, fmt.head_dim)[:, :ntok]
 
 
@@ -163,4 +221,4 @@ def extend_attention_ref(
     return out
 
 
-__all__ = ["quantize_write_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]
+__all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]

@@ -27,13 +27,17 @@ def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
 
 
 def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.float16, device=DEVICE,
-                k_clip=0.96, v_clip=0.92, extra_pages=3):
+                k_clip=0.96, v_clip=0.92, extra_pages=3, key_layout="token"):
     """Random rotated-basis cache: 2-bit pages of ``lens[b]`` tokens (shuffled page ids, poisoned spare pages),
-    16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q."""
+    16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q.
+
+    ``key_layout="channel"``: keys in channel pages, written whole (a last page past ``lens[b]`` holds random
+    tokens beyond the sequence end, which attention must mask), no key clipping."""
     fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    kfmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, layout=key_layout)
     maxp = max(1, max(math.ceil(n / page_size) for n in lens))
     total = sum(math.ceil(n / page_size) for n in lens) + extra_pages
-    kp, vp = poisoned_pages(fmt, total, device), poisoned_pages(fmt, total, device)
+    kp, vp = poisoned_pages(kfmt, total, device), poisoned_pages(fmt, total, device)
     perm = torch.randperm(total, device=device)
     bt = torch.full((B, maxp), total - 1, dtype=torch.int32, device=device)
     at = 0
@@ -45,7 +49,13 @@ def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.flo
             pos = torch.arange(n, device=device)
             slots = bt[b, pos // page_size].long() * page_size + pos % page_size
             scale_k = torch.rand(1, hkv, d, device=device) * 3
-            quantize_write_ref(kp, torch.randn(n, hkv, d, device=device) * scale_k, slots, clip_ratio=k_clip)
+            if kfmt.channel:
+                nk = npg * page_size
+                pos = torch.arange(nk, device=device)
+                kslots = bt[b, pos // page_size].long() * page_size + pos % page_size
+                quantize_write_ref(kp, torch.randn(nk, hkv, d, device=device) * scale_k, kslots)
+            else:
+                quantize_write_ref(kp, torch.randn(n, hkv, d, device=device) * scale_k, slots, clip_ratio=k_clip)
             quantize_write_ref(vp, torch.randn(n, hkv, d, device=device), slots, clip_ratio=v_clip)
     k16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
     v16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
