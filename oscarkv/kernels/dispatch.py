@@ -41,10 +41,19 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _kernels_supported(fmt) -> bool:
+def _kernels_supported(fmt, v_fmt=None) -> bool:
+    """The Triton attention kernels handle this (key) format, with values in ``v_fmt`` (token pages)."""
     d = fmt.head_dim
+    if v_fmt is not None and (v_fmt.channel or not fmt.same_geometry(v_fmt)):
+        return False
     return fmt.bits == 2 and fmt.groups == 1 and d >= 64 and not d & (d - 1) and fmt.page_size >= 16 \
         and not fmt.page_size & (fmt.page_size - 1)
+
+
+def _write_supported(k_pages: QuantPages, v_pages: QuantPages) -> bool:
+    """The Triton quantize kernel handles these pools (channel-page keys need a power-of-two page >= 16)."""
+    fk = k_pages.fmt
+    return not fk.channel or (fk.page_size >= 16 and not fk.page_size & (fk.page_size - 1))
 
 
 def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None) -> str:
@@ -52,6 +61,9 @@ def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None) ->
     kernels handle this format (else "auto" falls back to the reference); ``cuda_fmt``: the page format, for
     ops that have a CUDA C++ kernel."""
     cuda_ok = cuda_fmt is not None
+    if backend == "cuda" and cuda_ok and cuda_fmt.channel:
+        raise ValueError("the CUDA decode kernel does not support keys in channel pages: use backend='triton' "
+                         "(or 'auto', which picks it)")
     if backend not in BACKENDS or (backend == "cuda" and not cuda_ok):
         allowed = BACKENDS if cuda_ok else tuple(b for b in BACKENDS if b != "cuda")
         raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
@@ -75,32 +87,39 @@ def quantize_write(
     k_pages: QuantPages, v_pages: QuantPages, k: Tensor, v: Tensor, slots: Tensor, *,
     k_rotation: Tensor | None = None, v_rotation: Tensor | None = None,
     k_mean: Tensor | None = None, v_mean: Tensor | None = None,
-    k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto",
+    k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto", check_pages: bool = True,
 ) -> None:
     """Center (``mean [Hkv, d]``), rotate (``x @ R``, ``R [d, d]`` or ``[Hkv, d, d]``), clip, quantize and pack
     K and V rows ``[N, Hkv, d]`` into ``slots`` ``[N]`` (``page * page_size + row``; negative = skip) of both
-    pools, in place. The kernel path does K and V in one launch."""
-    if _pick(backend, k.device, True) == "reference":
+    pools, in place. The kernel path does K and V in one launch.
+
+    Keys in channel pages (``k_pages.fmt.layout == "channel"``): whole pages only (``N`` a multiple of
+    ``page_size``, each run of ``page_size`` slots one page in order, or all negative), ``k_clip = 0``; a
+    partial page raises ``ValueError`` (checked on the host; ``check_pages=False`` skips the check on the
+    kernel path, e.g. under graph capture). Values always use token pages."""
+    if _pick(backend, k.device, _write_supported(k_pages, v_pages)) == "reference":
         ref.quantize_write_ref(k_pages, k, slots, rotation=k_rotation, mean=k_mean, clip_ratio=k_clip)
         ref.quantize_write_ref(v_pages, v, slots, rotation=v_rotation, mean=v_mean, clip_ratio=v_clip)
         return
     from .quantize_triton import quantize_write_triton
 
     quantize_write_triton(k_pages, v_pages, k, v, slots, k_rotation=k_rotation, v_rotation=v_rotation,
-                          k_mean=k_mean, v_mean=v_mean, k_clip=k_clip, v_clip=v_clip)
+                          k_mean=k_mean, v_mean=v_mean, k_clip=k_clip, v_clip=v_clip, check_pages=check_pages)
 
 
 def demote(
     k_pages: QuantPages, v_pages: QuantPages, k16: Tensor, v16: Tensor, seq_ids: Tensor, src_index: Tensor,
-    slots: Tensor, *, k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto",
+    slots: Tensor, *, k_clip: float = 0.0, v_clip: float = 0.0, backend: str = "auto", check_pages: bool = True,
 ) -> None:
-    """Demote 16-bit-tier rows ``k16/v16[seq_ids[i], :, src_index[i]]`` to 2-bit ``slots[i]``, in place."""
-    if _pick(backend, k16.device, True) == "reference":
+    """Demote 16-bit-tier rows ``k16/v16[seq_ids[i], :, src_index[i]]`` to 2-bit ``slots[i]``, in place.
+    Channel-page keys: whole pages only, as in :func:`quantize_write`."""
+    if _pick(backend, k16.device, _write_supported(k_pages, v_pages)) == "reference":
         ref.demote_ref(k_pages, v_pages, k16, v16, seq_ids, src_index, slots, k_clip=k_clip, v_clip=v_clip)
         return
     from .quantize_triton import demote_triton
 
-    demote_triton(k_pages, v_pages, k16, v16, seq_ids, src_index, slots, k_clip=k_clip, v_clip=v_clip)
+    demote_triton(k_pages, v_pages, k16, v16, seq_ids, src_index, slots, k_clip=k_clip, v_clip=v_clip,
+                  check_pages=check_pages)
 
 
 def decode_attention(
@@ -110,8 +129,9 @@ def decode_attention(
 ) -> Tensor:
     """One query per sequence (``q [B, Hq, d]``, rotated) over its 16-bit tiers (``k16/v16 [B, Hkv, C16, d]``,
     ``len16 [B]``) and 2-bit pages (``block_table [B, max_pages]``, ``qlen [B]``, int32). Returns
-    ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths)."""
-    which = _pick(backend, q.device, _kernels_supported(k_pages.fmt), cuda_fmt=k_pages.fmt)
+    ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths).
+    Keys in channel pages run on the Triton kernel ("auto" never picks the CUDA C++ kernel for them)."""
+    which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt)
     if which == "reference":
         res = ref.decode_attention_ref(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale)
         if out is None:
@@ -131,7 +151,7 @@ def extend_attention(
 ) -> Tensor:
     """A chunk of ``T`` new tokens per sequence (``q [B, T, Hq, d]``, ``k_new/v_new [B, T, Hkv, d]``) attends
     causally to itself and fully to the stored prefix. Returns ``[B, T, Hq, d]`` in q's dtype."""
-    if _pick(backend, q.device, _kernels_supported(k_pages.fmt)) == "reference":
+    if _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt)) == "reference":
         res = ref.extend_attention_ref(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
                                        sm_scale)
         if out is None:

@@ -13,7 +13,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._triton_util import check_device, check_pool_strides, interpreting, next_pow2, pool_strides
+from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2, pool_strides
 from .decode_triton import _fields4
 from .layout import QuantPages
 
@@ -38,11 +38,11 @@ def _codes_tile(codes, PS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _extend_kernel(
     q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
-    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
+    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
     k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
     T, HKV, sm_scale,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr, F32DOT: tl.constexpr,
+    ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
 ):
     TOK_M: tl.constexpr = BLOCK_M // G
     DQ: tl.constexpr = D // 4
@@ -86,11 +86,22 @@ def _extend_kernel(
         crow = page * s_cp + h * s_ch + n * DQ
         row = page * s_mp + h * s_mh + n
         tmask = p * PS + n < ntok
-        kt = _codes_tile(tl.load(kc_ptr + crow[:, None] + c[None, :]), PS, D, ASM).to(DT)
-        s = tl.dot(q2, tl.trans(kt))
-        ks = tl.load(ks_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-        ko = tl.load(ko_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-        s = s * ks[None, :] + qsum[:, None] * ko[None, :]
+        kt = _codes_tile(tl.load(kc_ptr + crow[:, None] + c[None, :]), PS, D, ASM)
+        if KCH:
+            # channel page (written whole, metadata valid): dequantize the tile, normalised by its largest
+            # |k^| so that the 16-bit operand cannot overflow, and undo the normalisation on the logits
+            kmeta = page * s_kmp + h * s_kmh + perm
+            ksv = tl.load(ks_ptr + kmeta).to(tl.float32)
+            kov = tl.load(ko_ptr + kmeta).to(tl.float32)
+            khat = kov[None, :] + kt.to(tl.float32) * ksv[None, :]
+            kmax = tl.max(tl.maximum(tl.abs(kov), tl.abs(kov + 3.0 * ksv)), axis=0)
+            kmax = tl.where(kmax > 0.0, kmax, 1.0)
+            s = tl.dot(q2, tl.trans((khat * (1.0 / kmax)).to(tl.float16).to(DT))) * kmax
+        else:
+            s = tl.dot(q2, tl.trans(kt.to(DT)))
+            ks = tl.load(ks_ptr + row, mask=tmask, other=0.0).to(tl.float32)
+            ko = tl.load(ko_ptr + row, mask=tmask, other=0.0).to(tl.float32)
+            s = s * ks[None, :] + qsum[:, None] * ko[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
         vs = tl.load(vs_ptr + row, mask=tmask, other=0.0).to(tl.float32)
@@ -140,13 +151,16 @@ def extend_attention_triton(
 ) -> Tensor:
     """Chunk attention over a quantized prefix; semantics of
     :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new
-    ``[B, T, Hkv, d]``; returns ``[B, T, Hq, d]`` (dtype of q unless ``out`` is given)."""
+    ``[B, T, Hkv, d]``; returns ``[B, T, Hq, d]`` (dtype of q unless ``out`` is given). Keys may be in
+    channel pages (each page holding a live token written whole): the tile is dequantized with the page's
+    per-channel scale/offset before the product."""
     B, T, hq, d = q.shape
     fmt = k_pages.fmt
     dev = q.device
-    if fmt.bits != 2 or fmt.groups != 1 or v_pages.fmt != fmt:
-        raise ValueError("the Triton extend kernel supports bits=2, one group per row, equal K/V formats: "
-                         "use the reference (backend='reference')")
+    if fmt.bits != 2 or fmt.groups != 1:
+        raise ValueError("the Triton extend kernel supports bits=2 with one group per row: use the reference "
+                         "(backend='reference')")
+    check_kv_formats(k_pages, v_pages)
     if d != fmt.head_dim or hq % fmt.num_kv_heads or d < 64 or d & (d - 1):
         raise ValueError(f"q {tuple(q.shape)} vs pages (d={fmt.head_dim}, Hkv={fmt.num_kv_heads}): the kernel "
                          "needs d a power of two >= 64 and Hq a multiple of Hkv")
@@ -172,12 +186,12 @@ def extend_attention_triton(
     _extend_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2), k_new, v_new, k_new.stride(0), k_new.stride(1),
         k_new.stride(2), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale,
-        v_pages.offset, *pool_strides(k_pages), block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0),
+        v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0),
         k16.stride(1),
         k16.stride(2), len16, out, out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
         float(d**-0.5 if sm_scale is None else sm_scale),
         G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interpreting(),
-        F32DOT=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        F32DOT=interpreting(), KCH=fmt.channel, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
