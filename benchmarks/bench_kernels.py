@@ -7,6 +7,11 @@ replay; the median of the replays is reported. Bandwidth counts the bytes the ke
 cache's own tensors (codes, scales, offsets, 16-bit tiers, block table, queries) plus its output.
 
     python benchmarks/bench_kernels.py --out docs/results/kernels_h200.json --git-sha $(git rev-parse HEAD)
+
+Keys in channel pages (issue 9) next to token pages, alone:
+
+    python benchmarks/bench_kernels.py --skip decode,quantize,extend --channel \
+        --out docs/results/kernels_channel_h200.json --git-sha $(git rev-parse HEAD)
 """
 
 from __future__ import annotations
@@ -75,13 +80,15 @@ def timeit(fn, reps: int = 30, graph: bool = True) -> float:
     return times[len(times) // 2]
 
 
-def make_cache(batch: int, ctx: int, seed: int = 0):
-    """Random 2-bit pages + 16-bit tiers for ``batch`` sequences of ``ctx`` tokens (ctx - 320 in 2-bit)."""
+def make_cache(batch: int, ctx: int, seed: int = 0, key_layout: str = "token"):
+    """Random 2-bit pages + 16-bit tiers for ``batch`` sequences of ``ctx`` tokens (ctx - 320 in 2-bit).
+    ``key_layout="channel"``: keys in channel pages (a scale/offset per page, head and channel)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n2 = max(0, ctx - W16)
     npg = math.ceil(n2 / PS)
     fmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
-    kp, vp = QuantPages.allocate(fmt, batch * npg, "cuda"), QuantPages.allocate(fmt, batch * npg, "cuda")
+    kfmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS, layout=key_layout)
+    kp, vp = QuantPages.allocate(kfmt, batch * npg, "cuda"), QuantPages.allocate(fmt, batch * npg, "cuda")
     for t in (kp, vp):
         t.codes.random_(0, 256, generator=g)
         t.scale.copy_(torch.rand(t.scale.shape, device="cuda", generator=g) * 0.1 + 0.01)
@@ -95,10 +102,14 @@ def make_cache(batch: int, ctx: int, seed: int = 0):
     return q, kp, vp, bt, qlen, k16, v16, len16, n2
 
 
-def decode_bytes(batch: int, n2: int, n16: int) -> int:
+def decode_bytes(batch: int, n2: int, n16: int, key_layout: str = "token") -> int:
     per_tok2 = 2 * HKV * (D // 4 + 2 * 2)  # K and V: codes + fp16 scale + fp16 offset
     per_tok16 = 2 * HKV * D * 2
-    return batch * (n2 * per_tok2 + n16 * per_tok16 + 4 * math.ceil(n2 / PS) + 2 * 2 * HQ * D)
+    npg = math.ceil(n2 / PS)
+    total = n2 * per_tok2 + n16 * per_tok16 + 4 * npg + 2 * 2 * HQ * D
+    if key_layout == "channel":  # K metadata: a [d] fp16 scale and offset per (page, head) instead of per row
+        total += npg * HKV * 2 * 2 * D - n2 * HKV * 2 * 2
+    return batch * total
 
 
 def bench_sdpa_decode(batch: int, ctx: int) -> tuple[float, str]:
@@ -158,6 +169,66 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
             row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         torch.cuda.empty_cache()
     return row
+
+
+def bench_channel_decode(batch: int, ctx: int) -> dict:
+    """Decode with keys in channel pages (Triton) next to token pages (Triton and CUDA C++), same shapes and
+    the same random code bytes; issue 9's target: channel within 10% of the token format."""
+    from oscarkv.kernels.decode_cuda import decode_attention_cuda
+    from oscarkv.kernels.decode_triton import decode_attention_triton
+
+    row = {"batch": batch, "context": ctx}
+    out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    for layout in ("token", "channel"):
+        q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx, key_layout=layout)
+        nbytes = decode_bytes(batch, n2, min(ctx, W16), layout)
+        row[f"bytes_{layout}"] = nbytes
+        impls = [("triton", decode_attention_triton)] + ([("cuda", decode_attention_cuda)] if layout == "token" else [])
+        for name, fn_ in impls:
+            plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
+            fn = lambda: fn_(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa: E731
+            try:
+                ms = timeit(fn)
+                row[f"{name}_{layout}"] = {"ms": ms, "TBps": nbytes / ms / 1e9, "splits": plan.num_splits}
+            except Exception as e:
+                row[f"{name}_{layout}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        del q, kp, vp, bt, k16, v16
+        torch.cuda.empty_cache()
+    ch = row["triton_channel"].get("ms")
+    for ref in ("triton_token", "cuda_token"):
+        t = row[ref].get("ms")
+        row[f"channel_over_{ref}"] = ch / t if ch and t else None
+    return row
+
+
+def bench_channel_write_extend(n: int, prefix: int, chunk: int) -> dict:
+    """Whole-page quantize/write of K (channel pages) + V (token pages), and extend over a channel-page prefix,
+    each next to the token-page equivalent."""
+    from oscarkv.kernels.extend_triton import extend_attention_triton
+    from oscarkv.kernels.quantize_triton import quantize_write_triton
+
+    res = {"rows": n, "prefix": prefix, "chunk": chunk}
+    for layout in ("token", "channel"):
+        kf = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS, layout=layout)
+        vf = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
+        kp, vp = QuantPages.allocate(kf, n // PS, "cuda"), QuantPages.allocate(vf, n // PS, "cuda")
+        k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        slots = (torch.randperm(n // PS, device="cuda")[:, None] * PS + torch.arange(PS, device="cuda")).view(-1)
+        fn = lambda: quantize_write_triton(kp, vp, k, v, slots, v_clip=0.92, check_pages=False)  # noqa: E731
+        res[f"write_{layout}_ms"] = timeit(fn)
+        del kp, vp, k, v
+        q0, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(1, prefix, key_layout=layout)
+        q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+        kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
+        vn = torch.randn_like(kn)
+        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16)  # noqa: E731
+        try:
+            res[f"extend_{layout}_ms"] = timeit(fn, reps=10)
+        except Exception as e:
+            res[f"extend_{layout}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        torch.cuda.empty_cache()
+    return res
 
 
 def bench_quantize(n: int, rotate: bool) -> dict:
@@ -239,6 +310,19 @@ def markdown(res: dict) -> str:
                      f"{qrow['ms']:.4f} ms, {qrow['TBps']:.2f} TB/s ({100 * qrow['TBps'] / READ_CEILING_TBS:.0f}%)")
     for e in res.get("extend", []):
         lines.append(f"\nextend prefix {e['prefix']} chunk {e['chunk']}: " + json.dumps(e))
+    if res.get("channel"):
+        lines += ["", "Decode with keys in channel pages (Triton) vs token pages (Triton, CUDA C++); ratio = channel "
+                  "time / token time (issue 9 target <= 1.10).", "",
+                  "| context | batch | channel ms | TB/s | token Triton ms | ratio | token CUDA ms | ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+        for r in res["channel"]:
+            c, t, u = r["triton_channel"], r["triton_token"], r["cuda_token"]
+            lines.append(f"| {r['context']} | {r['batch']} | {fmt(c.get('ms'))} | {fmt(c.get('TBps'))} | "
+                         f"{fmt(t.get('ms'))} | {fmt(r['channel_over_triton_token'])} | {fmt(u.get('ms'))} | "
+                         f"{fmt(r['channel_over_cuda_token'])} |")
+    for e in res.get("channel_write_extend", []):
+        lines.append("\nchannel pages, write and extend: " + json.dumps(e))
     return "\n".join(lines)
 
 
@@ -251,10 +335,12 @@ def main() -> int:
     ap.add_argument("--impls", default="cuda,triton")
     ap.add_argument("--best", default="cuda")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,quantize,extend")
+    ap.add_argument("--channel", action="store_true",
+                    help="also time keys in channel pages (decode at --contexts x --batches, write, extend)")
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 baseline exceeds this")
     args = ap.parse_args()
     res = {"provenance": provenance(args.git_sha), "best_impl": args.best, "decode": [], "quantize": [],
-           "extend": [], "read_ceiling_TBps": READ_CEILING_TBS}
+           "extend": [], "channel": [], "channel_write_extend": [], "read_ceiling_TBps": READ_CEILING_TBS}
     skip = set(args.skip.split(","))
     if "decode" not in skip:
         for ctx in map(int, args.contexts.split(",")):
@@ -272,6 +358,13 @@ def main() -> int:
     if "extend" not in skip:
         res["extend"].append(bench_extend(32768, 2048))
         print(json.dumps(res["extend"][-1]), flush=True)
+    if args.channel:
+        for ctx in map(int, args.contexts.split(",")):
+            for bs in map(int, args.batches.split(",")):
+                res["channel"].append(bench_channel_decode(bs, ctx))
+                print(json.dumps(res["channel"][-1]), flush=True)
+        res["channel_write_extend"].append(bench_channel_write_extend(32768, 32768, 2048))
+        print(json.dumps(res["channel_write_extend"][-1]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
