@@ -3,14 +3,16 @@ implementations (and a CUDA C++ decode kernel) run on CUDA, the references on CP
 (``dispatch.py``). Importing this package needs neither Triton nor a GPU."""
 
 from .dispatch import BACKENDS, decode_attention, demote, extend_attention, quantize_write, use_reference
-from .layout import PageFormat, QuantPages, slot_mapping
+from .layout import LAYOUTS, PageFormat, QuantPages, slot_mapping
 from .plan import DecodePlan
 from .reference import (
-    decode_attention_ref, demote_ref, extend_attention_ref, gather_dequant_ref, quantize_write_ref,
+    channel_page_ids, decode_attention_ref, demote_ref, dequantize_pages_ref, extend_attention_ref,
+    gather_dequant_ref, quantize_write_ref,
 )
 
 __all__ = [
-    "PageFormat", "QuantPages", "slot_mapping", "DecodePlan", "BACKENDS", "use_reference",
+    "LAYOUTS", "PageFormat", "QuantPages", "slot_mapping", "DecodePlan", "BACKENDS", "use_reference",
     "quantize_write", "demote", "decode_attention", "extend_attention",
-    "quantize_write_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref",
+    "quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref",
+    "decode_attention_ref", "extend_attention_ref",
 ]

@@ -219,3 +219,50 @@ def test_channel_dispatch_routing():
                                   backend="cuda")
     with pytest.raises(ValueError, match="token pages only"):  # values never in channel pages
         decode_attention_triton(torch.zeros(1, 4, 64, device=DEVICE), kp, kp, z[:, None], z, t16, t16, z)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("meta", [torch.float16, torch.bfloat16])
+def test_gpu_channel_write_real_shapes_bit_exact(meta):
+    """Qwen3-8B shapes (8 KV heads, d 128, page 64), 96 whole pages in shuffled order through dispatch (K and V
+    from one call), and the demotion path, against the CPU reference."""
+    hkv, d, ps, npg = 8, 128, 64, 96
+    kf, vf = _fmts(hkv, d, ps, 2, meta)
+    kp, vp = poisoned_pages(kf, npg + 4, DEVICE), poisoned_pages(vf, npg + 4, DEVICE)
+    rk, rv, kp2, vp2 = _clone(kp), _clone(vp), _clone(kp), _clone(vp)
+    k = (torch.randn(npg * ps, hkv, d, device=DEVICE) * torch.rand(1, hkv, d, device=DEVICE) * 8).bfloat16()
+    v = torch.randn(npg * ps, hkv, d, device=DEVICE).bfloat16()
+    slots = (torch.randperm(npg + 4, device=DEVICE)[:npg, None] * ps + torch.arange(ps, device=DEVICE)).view(-1)
+    dispatch.quantize_write(kp, vp, k, v, slots, v_clip=0.92)
+    quantize_write_ref(rk, k, slots)
+    quantize_write_ref(rv, v, slots, clip_ratio=0.92)
+    _assert_same(kp, rk)
+    _assert_same(vp, rv)
+    k16, v16 = k.view(4, -1, hkv, d).transpose(1, 2), v.view(4, -1, hkv, d).transpose(1, 2)  # [4, Hkv, C, d]
+    seq = torch.arange(npg * ps, device=DEVICE) // (npg * ps // 4)
+    src = torch.arange(npg * ps, device=DEVICE) % (npg * ps // 4)
+    dispatch.demote(kp2, vp2, k16, v16, seq, src, slots, v_clip=0.92)
+    _assert_same(kp2, rk)
+    _assert_same(vp2, rv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_channel_decode_in_cuda_graph_sees_new_lengths():
+    B, hkv, g, d = 4, 8, 4, 128
+    kp, vp, bt, ql, k16, v16, l16 = build_cache(B, hkv, g, d, 64, [900, 1200, 64, 700], [10, 300, 0, 5], 320,
+                                                key_layout="channel")
+    q = torch.randn(B, hkv * g, d, device=DEVICE, dtype=torch.bfloat16)
+    plan = DecodePlan(B, hkv * g, hkv, d, 64, bt.shape[1], 320, device=DEVICE).update(B)
+    out = torch.empty(B, hkv * g, d, device=DEVICE, dtype=torch.float32)
+    dispatch.decode_attention(q, kp, vp, bt, ql, k16, v16, l16, plan=plan, out=out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dispatch.decode_attention(q, kp, vp, bt, ql, k16, v16, l16, plan=plan, out=out)
+    ql.copy_(torch.tensor([500, 1199, 1, 64], dtype=torch.int32))
+    l16.copy_(torch.tensor([300, 0, 7, 1], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, decode_attention_ref(q, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)) < 1e-3
