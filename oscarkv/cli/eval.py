@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shift study: calibration corpora; '+chat' wraps chunks in the chat template")
     p.add_argument("--study-method", default="oscar", help="method evaluated by the studies (default oscar)")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and plots from --out")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for this run (default: torch's choice); --threads 1 on a shared machine")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -80,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
     from oscarkv.eval.runner import MAIN_METHODS
 
     out = Path(args.out)
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            print("error: --threads must be at least 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)  # the CLI's own process: no library-wide state is touched
     if args.report_only:
         print(f"wrote {write_report(out, order=list(MAIN_METHODS))}")
         return 0

@@ -44,3 +44,16 @@ def test_report_only_cli_writes_summary_and_plots(tmp_path):
 def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["eval", "--out", str(tmp_path)]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_cli_threads(tmp_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["eval", "--threads", "0", "--report-only", "--out", str(tmp_path)]) == 2
+        assert "--threads must be at least 1" in capsys.readouterr().err
+        assert main(["eval", "--threads", "1", "--report-only", "--out", str(tmp_path)]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # the CLI sets it for its process; restore for the rest of the session
