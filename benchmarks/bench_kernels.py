@@ -183,7 +183,10 @@ def bench_channel_decode(batch: int, ctx: int) -> dict:
         q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx, key_layout=layout)
         nbytes = decode_bytes(batch, n2, min(ctx, W16), layout)
         row[f"bytes_{layout}"] = nbytes
-        impls = [("triton", decode_attention_triton)] + ([("cuda", decode_attention_cuda)] if layout == "token" else [])
+        tri = lambda *a, **k: decode_attention_triton(*a, **k)  # noqa: E731
+        codes = lambda *a, **k: decode_attention_triton(*a, kfold="codes", **k)  # noqa: E731
+        impls = [("triton", tri), ("cuda", decode_attention_cuda)] if layout == "token" else \
+            [("triton", tri), ("tritoncodes", codes)]
         for name, fn_ in impls:
             plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
             fn = lambda: fn_(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa: E731
@@ -195,9 +198,11 @@ def bench_channel_decode(batch: int, ctx: int) -> dict:
         del q, kp, vp, bt, k16, v16
         torch.cuda.empty_cache()
     ch = row["triton_channel"].get("ms")
+    cc = row["tritoncodes_channel"].get("ms")
     for ref in ("triton_token", "cuda_token"):
         t = row[ref].get("ms")
         row[f"channel_over_{ref}"] = ch / t if ch and t else None
+        row[f"channel_codes_over_{ref}"] = cc / t if cc and t else None
     return row
 
 
@@ -313,14 +318,18 @@ def markdown(res: dict) -> str:
     if res.get("channel"):
         lines += ["", "Decode with keys in channel pages (Triton) vs token pages (Triton, CUDA C++); ratio = channel "
                   "time / token time (issue 9 target <= 1.10).", "",
-                  "| context | batch | channel ms | TB/s | token Triton ms | ratio | token CUDA ms | ratio |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "Channel: scale folded into the query (default, `kfold='query'`) or into the code tiles "
+                  "(`kfold='codes'`).", "",
+                  "| context | batch | channel ms | TB/s | channel codes-fold ms | token Triton ms | ratio (query/codes) "
+                  "| token CUDA ms | ratio (query/codes) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
         for r in res["channel"]:
-            c, t, u = r["triton_channel"], r["triton_token"], r["cuda_token"]
+            c, cc, t, u = r["triton_channel"], r["tritoncodes_channel"], r["triton_token"], r["cuda_token"]
             lines.append(f"| {r['context']} | {r['batch']} | {fmt(c.get('ms'))} | {fmt(c.get('TBps'))} | "
-                         f"{fmt(t.get('ms'))} | {fmt(r['channel_over_triton_token'])} | {fmt(u.get('ms'))} | "
-                         f"{fmt(r['channel_over_cuda_token'])} |")
+                         f"{fmt(cc.get('ms'))} | {fmt(t.get('ms'))} | {fmt(r['channel_over_triton_token'])} / "
+                         f"{fmt(r['channel_codes_over_triton_token'])} | {fmt(u.get('ms'))} | "
+                         f"{fmt(r['channel_over_cuda_token'])} / {fmt(r['channel_codes_over_cuda_token'])} |")
     for e in res.get("channel_write_extend", []):
         lines.append("\nchannel pages, write and extend: " + json.dumps(e))
     return "\n".join(lines)

@@ -176,9 +176,9 @@ def test_channel_decode_matches_float64_reference(case):
     plan = DecodePlan(B, hkv * g, hkv, d, ps, args[2].shape[1], c16, device=DEVICE).update(B)
     ref = decode_attention_ref(q, *args, dtype=torch.float64)
     assert rel_err(decode_attention_triton(q, *args, plan=plan), ref) < 6e-3
-    for mma in (True, False):
+    for mma, kfold in ((True, "query"), (True, "codes"), (False, "query")):
         out32 = torch.full((B, hkv * g, d), float("nan"), device=DEVICE)
-        decode_attention_triton(q, *args, plan=plan, out=out32, mma=mma)
+        decode_attention_triton(q, *args, plan=plan, out=out32, mma=mma, kfold=kfold)
         assert rel_err(out32, ref) < 1e-3
     if GPU:  # dispatch never sends channel pages to the CUDA C++ kernel
         assert rel_err(dispatch.decode_attention(q, *args, plan=plan).float(), ref) < 6e-3
