@@ -320,8 +320,8 @@ def markdown(res: dict) -> str:
                   "time / token time (issue 9 target <= 1.10).", "",
                   "Channel: scale folded into the query (default, `kfold='query'`) or into the code tiles "
                   "(`kfold='codes'`).", "",
-                  "| context | batch | channel ms | TB/s | channel codes-fold ms | token Triton ms | ratio (query/codes) "
-                  "| token CUDA ms | ratio (query/codes) |",
+                  "| context | batch | channel ms | TB/s | channel codes-fold ms | token Triton ms "
+                  "| ratio (query/codes) | token CUDA ms | ratio (query/codes) |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
         for r in res["channel"]:

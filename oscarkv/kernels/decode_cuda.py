@@ -43,7 +43,8 @@ def nvcc() -> str | None:
 def supported(fmt: PageFormat) -> bool:
     """Formats the CUDA kernel handles (2-bit token pages, one group per row, d 64/128/256, page a multiple of
     16). Keys in channel pages are not supported here (the Triton kernel handles them)."""
-    return (fmt.layout == "token" and fmt.bits == 2 and fmt.groups == 1 and fmt.head_dim in (64, 128, 256) and fmt.page_size % 16 == 0
+    return (fmt.layout == "token" and fmt.bits == 2 and fmt.groups == 1 and fmt.head_dim in (64, 128, 256)
+            and fmt.page_size % 16 == 0
             and (nvcc() is not None or any(_cache_dir().glob("*.cubin"))))
 
 

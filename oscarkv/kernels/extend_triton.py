@@ -186,9 +186,9 @@ def extend_attention_triton(
     _extend_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2), k_new, v_new, k_new.stride(0), k_new.stride(1),
         k_new.stride(2), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale,
-        v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0),
-        k16.stride(1),
-        k16.stride(2), len16, out, out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
+        v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table,
+        block_table.stride(0), qlen, k16, v16, k16.stride(0), k16.stride(1), k16.stride(2), len16, out,
+        out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
         float(d**-0.5 if sm_scale is None else sm_scale),
         G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interpreting(),
         F32DOT=interpreting(), KCH=fmt.channel, num_warps=num_warps, num_stages=num_stages,

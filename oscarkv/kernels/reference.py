@@ -221,4 +221,5 @@ def extend_attention_ref(
     return out
 
 
-__all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref", "decode_attention_ref", "extend_attention_ref"]
+__all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref",
+           "decode_attention_ref", "extend_attention_ref"]
