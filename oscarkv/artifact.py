@@ -34,6 +34,9 @@ from .config import QuantSpec
 from .rotation import check_orthogonal
 
 FORMAT_VERSION = 1
+LAYER_FORMATS_VERSION = 1  # schema of ``layer_formats`` entries (written next to them in oscar.json)
+FORMAT_LAYOUTS = ("token", "channel")
+FORMAT_ROTATIONS = ("calibrated", "hadamard", "none")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
 TENSOR_NAMES = ("r_k", "r_v", "eig_k", "eig_v", "mu_k", "mu_v", "k_clip", "v_clip")
 
@@ -92,6 +95,80 @@ class ModelIdentity:
         return out
 
 
+@dataclass(frozen=True)
+class TensorFormat:
+    """How one layer stores its keys or its values in the quantized tier (``layer_formats`` entries).
+
+    Attributes:
+        layout: "token" (one quantized row per token and head: the method's format) or "channel" (keys only:
+            one scale and offset per channel per page of ``page_size`` tokens, the numerics of
+            :func:`oscarkv.quant.quantize_per_channel` with ``group_size = page_size``).
+        bits: 2 or 4.
+        rotation: "calibrated" (the calibration's R of this layer), "hadamard" or "none".
+        clip: per-row clip ratio of the token layout (0 = off; always 0 for "channel").
+    """
+
+    layout: str = "token"
+    bits: int = 2
+    rotation: str = "calibrated"
+    clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.layout not in FORMAT_LAYOUTS:
+            raise ArtifactError(f"unknown format layout {self.layout!r}; valid: {list(FORMAT_LAYOUTS)}")
+        if self.rotation not in FORMAT_ROTATIONS:
+            raise ArtifactError(f"unknown format rotation {self.rotation!r}; valid: {list(FORMAT_ROTATIONS)}")
+        if self.bits not in (2, 4) or isinstance(self.bits, bool):
+            raise ArtifactError(f"format bits must be 2 or 4, got {self.bits!r}")
+        clip = float(self.clip)
+        if not 0.0 <= clip <= 1.0:
+            raise ArtifactError(f"format clip must be a ratio in [0, 1], got {self.clip!r}")
+        if self.layout == "channel" and clip not in (0.0, 1.0):
+            raise ArtifactError(f"the channel layout has no per-row clip; got clip {self.clip!r}")
+        object.__setattr__(self, "clip", clip)
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. ``token2/calibrated@0.96`` or ``channel2/none``."""
+        clip = f"@{self.clip:g}" if 0.0 < self.clip < 1.0 else ""
+        return f"{self.layout}{self.bits}/{self.rotation}{clip}"
+
+    def bits_per_element(self, head_dim: int, page_size: int, group_size: int | None = None,
+                         meta_bits: int = 16) -> float:
+        """Nominal bits per element: codes plus a scale and offset per row group (token) or per channel and
+        page (channel)."""
+        per = page_size if self.layout == "channel" else (group_size or head_dim)
+        return self.bits + 2 * meta_bits / per
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout, "bits": self.bits, "rotation": self.rotation, "clip": self.clip}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "TensorFormat":
+        if isinstance(data, TensorFormat):
+            return data
+        if not isinstance(data, Mapping):
+            raise ArtifactError(f"a tensor format must be a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"layout", "bits", "rotation", "clip"})
+        if unknown:
+            raise ArtifactError(f"unknown tensor-format key(s) {unknown}; valid: layout, bits, rotation, clip")
+        return cls(**data)
+
+
+def parse_layer_format(entry: Any, layer: int) -> tuple[TensorFormat, TensorFormat]:
+    """``(key format, value format)`` of one ``layer_formats`` entry ``{"k": {...}, "v": {...}, ...}``
+    (other keys, e.g. the predicted errors, are informational). Raises ``ArtifactError`` naming the layer."""
+    if not isinstance(entry, Mapping) or "k" not in entry or "v" not in entry:
+        raise ArtifactError(f"layer_formats[{layer}] must be a mapping with 'k' and 'v' formats, got {entry!r}")
+    try:
+        k, v = TensorFormat.from_dict(entry["k"]), TensorFormat.from_dict(entry["v"])
+    except ArtifactError as e:
+        raise ArtifactError(f"layer_formats[{layer}]: {e}") from None
+    if v.layout != "token":
+        raise ArtifactError(f"layer_formats[{layer}]: values are stored token-wise only, got layout {v.layout!r}")
+    return k, v
+
+
 @dataclass
 class Calibration:
     """Per-layer rotations, means and clip ratios for one model, plus the spec and provenance."""
@@ -107,7 +184,8 @@ class Calibration:
     k_clip: Tensor
     v_clip: Tensor
     provenance: dict = field(default_factory=dict)
-    # Per-layer format choices (rotation kind, key grouping, bits) where calibration selected them; else None.
+    # Per-layer format choices where calibration selected them (see :class:`TensorFormat`,
+    # :func:`parse_layer_format`): ``[{"k": {...}, "v": {...}, "k_error": e, "v_error": e}, ...]``; else None.
     layer_formats: list[dict] | None = None
 
     def __post_init__(self) -> None:
@@ -135,8 +213,15 @@ class Calibration:
                 raise ArtifactError(f"{name} has shape {tuple(t.shape)}, expected {shape} for {m}")
             if not torch.isfinite(t).all():
                 raise ArtifactError(f"{name} contains NaN or Inf")
-        if self.layer_formats is not None and len(self.layer_formats) != L:
-            raise ArtifactError(f"layer_formats has {len(self.layer_formats)} entries for {L} layers")
+        if self.layer_formats is not None:
+            if len(self.layer_formats) != L:
+                raise ArtifactError(f"layer_formats has {len(self.layer_formats)} entries for {L} layers")
+            for i, entry in enumerate(self.layer_formats):
+                parse_layer_format(entry, i)
+
+    def formats(self, i: int) -> tuple[TensorFormat, TensorFormat] | None:
+        """Layer ``i``'s selected ``(key, value)`` formats, or ``None`` without ``layer_formats``."""
+        return None if self.layer_formats is None else parse_layer_format(self.layer_formats[i], i)
 
     def check_orthogonal(self, atol: float = 1e-4) -> None:
         check_orthogonal(self.r_k, atol, "r_k")
@@ -173,6 +258,8 @@ class Calibration:
             "provenance": self.provenance,
             "layer_formats": self.layer_formats,
         }
+        if self.layer_formats is not None:
+            meta["layer_formats_version"] = LAYER_FORMATS_VERSION
         (path / "oscar.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         return path
 
@@ -198,6 +285,10 @@ class Calibration:
                 f"{path} has format version {version!r}; this oscarkv reads version {FORMAT_VERSION}. "
                 "Re-run `oscarkv calibrate` with this version."
             )
+        lf_version = meta.get("layer_formats_version", LAYER_FORMATS_VERSION)
+        if meta.get("layer_formats") is not None and lf_version != LAYER_FORMATS_VERSION:
+            raise ArtifactError(f"{path} has layer_formats version {lf_version!r}; this oscarkv reads version "
+                                f"{LAYER_FORMATS_VERSION}. Re-run `oscarkv calibrate --bit-budget ...`.")
         tensors = load_file(str(tensor_path))
         missing = [n for n in TENSOR_NAMES if n not in tensors]
         if missing:
@@ -270,4 +361,5 @@ class Calibration:
         )
 
 
-__all__ = ["Calibration", "ModelIdentity", "ArtifactError", "UnsupportedModelError", "FORMAT_VERSION"]
+__all__ = ["Calibration", "ModelIdentity", "ArtifactError", "UnsupportedModelError", "FORMAT_VERSION", "TensorFormat",
+           "parse_layer_format", "LAYER_FORMATS_VERSION"]

@@ -55,6 +55,9 @@ class QuantSpec:
         value_weighting: token weights of C_S: "quadratic" (k^T C_Q k, the reference) or "softmax"
             (sum of squared causal softmax scores, the paper's definition).
         centering: subtract calibrated per-head K/V means before quantizing (exact; see method section 2.8).
+        bit_budget: ``None`` (one format for every layer, the default) or the mean bits per element under which
+            calibration selects a format per layer and per K/V for ``oscar-auto`` (a number, or "kivi" for
+            KIVI-2's nominal bits at the model's head_dim; docs/recipe.md).
     """
 
     bits: int = 2
@@ -72,6 +75,7 @@ class QuantSpec:
     target: str = "attention"
     value_weighting: str = "quadratic"
     centering: bool = True
+    bit_budget: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
@@ -97,6 +101,9 @@ class QuantSpec:
             raise ConfigError(f"page_size must be an int >= 1, got {self.page_size!r}")
         if not isinstance(self.centering, bool):
             raise ConfigError(f"centering must be true or false, got {self.centering!r}")
+        b = self.bit_budget
+        if b is not None and b != "kivi" and (isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0):
+            raise ConfigError(f"bit_budget must be null, 'kivi' or a number of bits per element > 0, got {b!r}")
 
     # ----------------------------------------------------------------------------------------- helpers
     @property
@@ -125,6 +132,8 @@ class QuantSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["clip_grid"] = list(self.clip_grid)
+        if d["bit_budget"] is None:  # omitted when unset: artifacts (and their hashes) stay as before the key
+            del d["bit_budget"]
         return d
 
     @classmethod

@@ -15,6 +15,10 @@ oscar-hadamard       Hadamard instead of the calibrated rotation, windows, fixed
                      K 0.96 / V 0.92
 oscar-noclip         oscar without clipping                                                   2 + 32/G
 oscar-gram           oscar; requires a calibration with target "gram" (K^T K / V^T V)          2 + 32/G
+oscar-auto           oscar's tiers, with the per-layer K and V formats the calibration selected  per layer (mean
+                     under a bit budget (``layer_formats``: rotation, token rows or channel     <= the budget,
+                     pages for keys, 2 or 4 bits, fitted clip; ``oscarkv calibrate             KIVI-2's by
+                     --bit-budget``)                                                           default)
 naive-int2           per-(token, head) INT2, no rotation, no clip, no windows                 2 + 32/d
 quarot-int2          Hadamard + per-token INT2, no clip, no windows                           2 + 32/d
 kivi-2               keys per channel in groups of 32 tokens, values per token, no clip,      K 3, V 2 + 32/d
@@ -26,7 +30,7 @@ int4-hadamard        Hadamard + per-token INT4, no clip, no windows             
 come from :meth:`oscarkv.hf.OscarCache.nbytes`.
 
 Every name also exists with the suffix ``-nocenter`` (no mean subtraction; centering is on by default as
-method section 2.8 says). The oscar family takes bits, group size, metadata dtype, sink, window and page size
+method section 2.8 says). Methods other than ``oscar-auto`` ignore a calibration's ``layer_formats``. The oscar family takes bits, group size, metadata dtype, sink, window and page size
 from the calibration's :class:`~oscarkv.config.QuantSpec`; the baselines use their published settings.
 """
 
@@ -37,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from .artifact import Calibration
+from .artifact import Calibration, TensorFormat
 from .config import DEFAULT_K_CLIP, DEFAULT_V_CLIP, ConfigError
 from .rotation import hadamard
 
@@ -74,6 +78,7 @@ class Method:
     key_layout: str = "token"
     centering: bool = True
     target: str | None = None
+    per_layer: bool = False  # uses the calibration's per-layer formats (layer_formats)
 
     def bits_per_element(self, config_or_head_dim, spec=None) -> float:
         """Nominal bits per element of the quantized tier (K and V averaged; 16-bit tiers excluded).
@@ -113,6 +118,8 @@ METHODS: dict[str, Method] = {
                                                                                   "clip": "fixed"}),
         Method("oscar-noclip", "oscar without clipping", **{**_OSCAR, "clip": "none"}),
         Method("oscar-gram", "oscar with K^T K / V^T V targets (gram calibration)", **_OSCAR, target="gram"),
+        Method("oscar-auto", "oscar tiers with per-layer K/V formats selected under a bit budget (layer_formats)",
+               **_OSCAR, per_layer=True),
         Method("naive-int2", "per-token INT2, no rotation, no clip, no windows"),
         Method("quarot-int2", "Hadamard + per-token INT2, no clip, no windows", rotation="hadamard"),
         Method("kivi-2", "KIVI: per-channel keys (32-token groups), per-token values, 128-token residual",
@@ -142,7 +149,8 @@ def get(name: str) -> Method:
 @dataclass(frozen=True)
 class LayerRecipe:
     """Per-layer tensors (float32, CPU) of a method: rotations ``[Hkv, d, d]`` or ``None`` (identity), means
-    ``[Hkv, d]`` or ``None`` (no centering), clip ratios (0 = off)."""
+    ``[Hkv, d]`` or ``None`` (no centering), clip ratios (0 = off), and the layer's code widths and key layout
+    (``None``: the :class:`Recipe`'s; use :meth:`Recipe.layer_format` to read them)."""
 
     r_k: Tensor | None
     r_v: Tensor | None
@@ -150,6 +158,9 @@ class LayerRecipe:
     mu_v: Tensor | None
     k_clip: float
     v_clip: float
+    k_bits: int | None = None
+    v_bits: int | None = None
+    key_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,31 @@ class Recipe:
     key_layout: str
     layers: tuple[LayerRecipe, ...]
 
+    def layer_format(self, i: int) -> tuple[int, int, str]:
+        """``(k_bits, v_bits, key_layout)`` of layer ``i``. A "channel" key layout groups ``unit`` tokens per
+        channel (KIVI's 32-token groups, or one page for oscar-auto's channel pages)."""
+        lr = self.layers[i]
+        return (lr.k_bits if lr.k_bits is not None else self.bits, lr.v_bits if lr.v_bits is not None else self.bits,
+                lr.key_layout or self.key_layout)
+
+    @property
+    def uniform(self) -> bool:
+        """True when every layer stores K and V in the recipe-level format (what single-format backends need)."""
+        return all(self.layer_format(i) == (self.bits, self.bits, self.key_layout) for i in range(len(self.layers)))
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Nominal bits per element of the quantized tier, averaged over layers and K/V (16-bit tiers excluded;
+        16-bit scale and offset; the per-row group is ``group_size`` or the whole row)."""
+        if not self.quantized:
+            return 16.0
+        meta = 32 if self.meta_dtype == "float32" else 16
+        row = self.group_size or head_dim
+        total = 0.0
+        for i in range(len(self.layers)):
+            kb, vb, layout = self.layer_format(i)
+            total += kb + 2 * meta / (self.unit if layout == "channel" else row) + vb + 2 * meta / row
+        return total / (2 * len(self.layers))
+
 
 def resolve(method: str | Method, calibration: Calibration) -> Recipe:
     """Turn a method name and a calibration into per-layer tensors and tier sizes.
@@ -180,9 +216,9 @@ def resolve(method: str | Method, calibration: Calibration) -> Recipe:
             f"method {m.name!r} needs a calibration with target {m.target!r}, this one has {spec.target!r}; "
             f"run `oscarkv calibrate` with target: {m.target}"
         )
-    if calibration.layer_formats is not None and any(calibration.layer_formats):
-        raise ConfigError("the calibration selects per-layer formats (layer_formats); the cache stores one format "
-                          "for every layer: recalibrate without per-layer formats")
+    if m.per_layer and calibration.layer_formats is None:
+        raise ConfigError(f"method {m.name!r} needs a calibration with per-layer formats (layer_formats); run "
+                          "`oscarkv calibrate --bit-budget BITS` (or `oscarkv calibrate --select-from DIR`)")
     if m.quantized and m.bits is None and spec.quantizer != "uniform":
         raise ConfigError(f"the cache implements the uniform quantizer only; calibration has {spec.quantizer!r}")
     if m.centering and m.quantized and _zero_means(calibration):
@@ -190,7 +226,8 @@ def resolve(method: str | Method, calibration: Calibration) -> Recipe:
             f"method {m.name!r} centers K/V but the calibration's means are all zero (identity calibration?): "
             "the result equals the -nocenter variant", stacklevel=2)
     d = calibration.model.head_dim
-    layers = tuple(_layer_recipe(m, calibration, i, d) for i in range(calibration.model.num_layers))
+    layers = tuple(_auto_layer_recipe(m, calibration, i, d) if m.per_layer else _layer_recipe(m, calibration, i, d)
+                   for i in range(calibration.model.num_layers))
     oscar = m.bits is None
     sink, window, unit = _tiers(m, spec)
     return Recipe(
@@ -236,4 +273,33 @@ def _layer_recipe(m: Method, c: Calibration, i: int, d: int) -> LayerRecipe:
     return LayerRecipe(r_k, r_v, mu_k, mu_v, float(k_clip), float(v_clip))
 
 
-__all__ = ["Method", "METHODS", "Recipe", "LayerRecipe", "get", "names", "resolve", "KIVI_GROUP"]
+def _auto_layer_recipe(m: Method, c: Calibration, i: int, d: int) -> LayerRecipe:
+    """Layer ``i`` of oscar-auto: the rotation, clip, bits and key layout of the selected formats."""
+    t = c.layer(i)
+    fk, fv = c.formats(i)
+    H = c.model.num_kv_heads
+
+    def rot(fmt: TensorFormat, calibrated: Tensor) -> Tensor | None:
+        if fmt.rotation == "calibrated":
+            return calibrated.float().clone()
+        return hadamard(d).expand(H, d, d).clone() if fmt.rotation == "hadamard" else None
+
+    mu_k = t["mu_k"].float().clone() if m.centering else None
+    mu_v = t["mu_v"].float().clone() if m.centering else None
+    return LayerRecipe(rot(fk, t["r_k"]), rot(fv, t["r_v"]), mu_k, mu_v, fk.clip, fv.clip,
+                       k_bits=fk.bits, v_bits=fv.bits, key_layout=fk.layout)
+
+
+def nominal_bits(method: str | Method, config_or_head_dim, calibration: Calibration | None = None) -> float:
+    """Nominal bits per element of ``method``'s quantized tier; per-layer methods average their layers'
+    formats (needs ``calibration``), the others give :meth:`Method.bits_per_element`."""
+    m = get(method) if isinstance(method, str) else method
+    d = _head_dim(config_or_head_dim)
+    if m.per_layer and calibration is not None and calibration.layer_formats is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # resolve()'s warnings are about numerics, not the bit count
+            return resolve(m, calibration).bits_per_element(d)
+    return m.bits_per_element(d, calibration.spec if calibration is not None else None)
+
+
+__all__ = ["Method", "METHODS", "Recipe", "LayerRecipe", "get", "names", "resolve", "KIVI_GROUP", "nominal_bits"]

@@ -86,10 +86,30 @@ def test_zero_means_warn():
         methods.resolve("naive-int2", c)
 
 
-def test_per_layer_formats_are_refused():
+def test_per_layer_formats_ignored_by_oscar_required_by_auto():
     c = _calib()
-    c.layer_formats = [{"bits": 4}, {}]
     with pytest.raises(ConfigError, match="per-layer formats"):
-        methods.resolve("oscar", c)
-    c.layer_formats = [{}, {}]
-    assert methods.resolve("oscar", c).quantized
+        methods.resolve("oscar-auto", c)
+    plain = methods.resolve("oscar", c)
+    c.layer_formats = [{"k": {"layout": "channel", "bits": 2, "rotation": "none"},
+                        "v": {"layout": "token", "bits": 4, "rotation": "hadamard", "clip": 0.9}},
+                       {"k": {"layout": "token", "bits": 2, "rotation": "calibrated", "clip": 0.93},
+                        "v": {"layout": "token", "bits": 2, "rotation": "none"}}]
+    again = methods.resolve("oscar", c)  # plain oscar ignores layer_formats
+    assert again.uniform and all(torch.equal(a.r_k, b.r_k) for a, b in zip(plain.layers, again.layers))
+    auto = methods.resolve("oscar-auto", c)
+    assert not auto.uniform
+    assert auto.layer_format(0) == (2, 4, "channel") and auto.layer_format(1) == (2, 2, "token")
+    l0, l1 = auto.layers
+    assert l0.r_k is None and torch.equal(l0.r_v[0], hadamard(64)) and l0.v_clip == 0.9
+    assert torch.equal(l1.r_k, c.layer(1)["r_k"]) and l1.r_v is None and l1.k_clip == 0.93
+    # K ch2 (2 + 32/64) + V tok4 (4.5), K tok2 2.5 + V tok2 2.5 -> mean 3.0
+    assert auto.bits_per_element(64) == pytest.approx(3.0)
+    assert methods.nominal_bits("oscar-auto", 64, c) == pytest.approx(3.0)
+    assert methods.nominal_bits("kivi-2", 64, c) == pytest.approx(2.75)
+
+
+def test_recipe_bits_match_method_bits_for_uniform_methods():
+    c = _calib()
+    for name, d in (("oscar", 64), ("kivi-2", 64), ("int4-hadamard", 64), ("naive-int2", 64)):
+        assert methods.resolve(name, c).bits_per_element(d) == pytest.approx(methods.get(name).bits_per_element(d))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.layout import PageFormat
-from ..methods import KIVI_GROUP, Recipe
+from ..methods import Recipe
 from ..quant import resolve_meta_dtype
 from .pools import ChannelPool, TokenPool
 from .store import LayerStore
@@ -23,19 +23,25 @@ def policy_for(recipe: Recipe) -> TierPolicy:
 
 def build_store(recipe: Recipe, layer: int, batch_size: int, num_kv_heads: int, head_dim: int,
                 dtype16: torch.dtype, device: torch.device | str) -> LayerStore:
-    """An empty :class:`LayerStore` for layer ``layer`` of ``recipe``."""
+    """An empty :class:`LayerStore` for layer ``layer`` of ``recipe``, in that layer's formats
+    (:meth:`~oscarkv.methods.Recipe.layer_format`): token-wise pages for values and, by the key layout, token-wise
+    pages or per-channel groups of ``recipe.unit`` tokens for keys (KIVI's 32, or one page for oscar-auto)."""
     policy = policy_for(recipe)
     k_pool = v_pool = None
     if recipe.quantized:
         lr = recipe.layers[layer]
-        fmt = PageFormat(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=recipe.page_size,
-                         bits=recipe.bits, group_size=recipe.group_size, meta_dtype=recipe.meta_dtype)
-        v_pool = TokenPool(fmt, lr.v_clip, batch_size, device)
-        if recipe.key_layout == "channel":
-            k_pool = ChannelPool(num_kv_heads, head_dim, KIVI_GROUP, recipe.bits,
-                                 resolve_meta_dtype(recipe.meta_dtype), batch_size, device)
+        k_bits, v_bits, key_layout = recipe.layer_format(layer)
+
+        def fmt(bits: int) -> PageFormat:
+            return PageFormat(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=recipe.page_size, bits=bits,
+                              group_size=recipe.group_size, meta_dtype=recipe.meta_dtype)
+
+        v_pool = TokenPool(fmt(v_bits), lr.v_clip, batch_size, device)
+        if key_layout == "channel":
+            k_pool = ChannelPool(num_kv_heads, head_dim, recipe.unit, k_bits, resolve_meta_dtype(recipe.meta_dtype),
+                                 batch_size, device)
         else:
-            k_pool = TokenPool(fmt, lr.k_clip, batch_size, device)
+            k_pool = TokenPool(fmt(k_bits), lr.k_clip, batch_size, device)
     return LayerStore(policy, batch_size, num_kv_heads, head_dim, dtype16, device, k_pool, v_pool)
 
 

@@ -108,7 +108,8 @@ def _clip(recorder: Recorder, rot: dict[str, Tensor], stats: CalibrationStats, s
             errs = clip_errors(held, layer, spec, grid, which)
             clip[i] = choose_ratio(grid, errs)
             record[f"{which}_error"].append([round(e, 6) for e in errs])
-        recorder.layers[i].held_out = []  # free the layer's held-out q/k/v
+        if spec.bit_budget is None:
+            recorder.layers[i].held_out = []  # free the layer's held-out q/k/v (format selection needs them)
     return k_clip, v_clip, record
 
 
@@ -146,10 +147,11 @@ def calibrate(
     start = time.time()
     ident = check_model(model, spec, name)
     stat_chunks, hold_chunks, data_prov = plan_chunks(
-        data, tokenizer, tokens=tokens, seq_len=seq_len, seed=seed, holdout=holdout if spec.fitted_clip else 0.0,
-        chat_template=chat_template)
-    if spec.fitted_clip and not hold_chunks:
-        raise ValueError("fitted clip ratios need held-out chunks: give at least two chunks, or fixed k_clip/v_clip")
+        data, tokenizer, tokens=tokens, seq_len=seq_len, seed=seed,
+        holdout=holdout if spec.fitted_clip or spec.bit_budget is not None else 0.0, chat_template=chat_template)
+    if (spec.fitted_clip or spec.bit_budget is not None) and not hold_chunks:
+        raise ValueError("fitted clip ratios and format selection need held-out chunks: give at least two chunks, "
+                         "or fixed k_clip/v_clip and no bit_budget")
     need_c_s = spec.target == "attention"
     recorder = Recorder(ident.num_layers, ident.num_kv_heads, ident.head_dim,
                         need_kv=need_c_s and spec.value_weighting == "quadratic",
@@ -175,7 +177,50 @@ def calibrate(
         provenance=_provenance(data_prov, n_stat, n_hold, seed, seq_len, chat_template, fit_record, start, hold_chunks,
                                spec),
     )
+    if spec.bit_budget is not None:
+        from .select import select_formats
+
+        calib.layer_formats, record = select_formats([acc.held_out for acc in recorder.layers], calib,
+                                                     spec.bit_budget, progress)
+        calib.provenance["format_selection"] = record
+        calib.validate_shapes()
+    for acc in recorder.layers:
+        acc.held_out = []
     return (calib, stats) if return_stats else calib
+
+
+def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, *, budget: float | str | None = None,
+                progress: bool = True) -> Calibration:
+    """Per-layer format selection for an existing calibration ``calib`` (rotations, means and clip kept): one
+    forward pass over its held-out chunks (re-drawn from ``data`` with the token budget, seed, chunk length and
+    held-out fraction recorded in its provenance), then :func:`~oscarkv.calib.select.select_formats`. Returns a
+    new Calibration with ``layer_formats`` and ``spec.bit_budget`` set."""
+    import dataclasses
+
+    from .select import select_formats
+
+    calib.check_model(model)
+    p = calib.provenance
+    tokens, seed, seq_len = int(p.get("tokens", 8192)), int(p.get("seed", 0)), int(p.get("seq_len", 1024))
+    n_hold = int(p.get("holdout_tokens", 0)) or int(round(tokens * 0.125))
+    _, hold_chunks, data_prov = plan_chunks(data, tokenizer, tokens=tokens, seq_len=seq_len, seed=seed,
+                                            holdout=n_hold / tokens, chat_template=bool(p.get("chat_template")))
+    if not hold_chunks:
+        raise ValueError("format selection needs held-out chunks; the calibration's token budget gave none")
+    m = calib.model
+    recorder = Recorder(m.num_layers, m.num_kv_heads, m.head_dim, need_kv=False, need_softmax=False)
+    recorder.phase = "holdout"
+    model.eval()
+    with torch.no_grad(), capture(model, recorder):
+        _forward(model, hold_chunks, None)
+    budget = calib.spec.bit_budget if budget is None else budget
+    budget = "kivi" if budget is None else budget
+    formats, record = select_formats([acc.held_out for acc in recorder.layers], calib, budget, progress)
+    record["held_out"] = {"tokens": sum(int(c.numel()) for c in hold_chunks), "chunks": data_prov.get("chunks", [])[
+        -len(hold_chunks):]}
+    prov = {**p, "format_selection": record}
+    return dataclasses.replace(calib, spec=calib.spec.replace(bit_budget=budget), layer_formats=formats,
+                               provenance=prov)
 
 
 def _provenance(data_prov: dict, n_stat: int, n_hold: int, seed: int, seq_len: int, chat_template: bool,
@@ -205,4 +250,4 @@ def _provenance(data_prov: dict, n_stat: int, n_hold: int, seed: int, seq_len: i
     }
 
 
-__all__ = ["calibrate", "check_model", "plan_chunks", "CalibrationStats"]
+__all__ = ["calibrate", "select_from", "check_model", "plan_chunks", "CalibrationStats"]

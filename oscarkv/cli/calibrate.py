@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--granularity", choices=("layer", "head"), help="override the spec's granularity")
     parser.add_argument("--composition", choices=("uhp", "uh", "u", "h", "none"),
                         help="override the spec's rotation composition")
+    parser.add_argument("--bit-budget", type=_budget, default=None, metavar="BITS|kivi",
+                        help="select a format per layer and per K/V (for method oscar-auto) under this mean number "
+                             "of bits per element; 'kivi' = KIVI-2's at the model's head_dim (docs/recipe.md)")
+    parser.add_argument("--select-from", metavar="DIR",
+                        help="only run the format selection for the existing artifact DIR (its rotations, means and "
+                             "clip ratios are kept; its held-out chunks are re-drawn from --data) and write --out")
     parser.add_argument("--chat-template", action="store_true", help="wrap each chunk in the model's chat template")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for this run (default: torch's choice). On a shared, oversubscribed "
@@ -40,11 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _budget(text: str):
+    if text == "kivi":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bit-budget wants a number of bits per element or 'kivi', got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--bit-budget must be > 0, got {text!r}")
+    return value
+
+
 def _spec(args: argparse.Namespace):
     from oscarkv.config import QuantSpec
 
     spec = QuantSpec.load(args.config) if args.config else QuantSpec()
-    overrides = {k: getattr(args, k) for k in ("granularity", "composition") if getattr(args, k)}
+    overrides = {k: getattr(args, k) for k in ("granularity", "composition", "bit_budget") if getattr(args, k)}
     return spec.replace(**overrides) if overrides else spec
 
 
@@ -75,11 +93,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"loading {args.model} ...", file=sys.stderr)
         model, tok = models.load(args.model, dtype=torch.float32)
         load_s = time.time() - t0
+        if args.select_from:
+            return _select_only(args, model, tok, out, t0)
         calib = calibrate(model, tok, args.data, spec=spec, tokens=args.tokens, seed=args.seed, seq_len=args.seq_len,
                           holdout=args.holdout, chat_template=args.chat_template, progress=not args.quiet,
                           name=str(args.model))
     except (models.ModelNotAvailableError, DataNotAvailableError, UnsupportedModelError, RotationError,
-            ConfigError, FileNotFoundError, ValueError) as e:
+            ConfigError, FileNotFoundError, ValueError) as e:  # ArtifactError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     calib.provenance["model_load_s"] = round(load_s, 2)
@@ -87,4 +107,22 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(calib, out))
     print(f"total        {time.time() - t0:.1f} s (model load {load_s:.1f} s, calibration "
           f"{calib.provenance['wall_time_s']:.1f} s)")
+    return 0
+
+
+def _select_only(args: argparse.Namespace, model, tok, out: Path, t0: float) -> int:
+    """``--select-from DIR``: format selection for an existing artifact, written to ``--out``."""
+    from oscarkv.artifact import Calibration
+    from oscarkv.calib import select_from
+
+    from .inspect import format_summary
+
+    if Path(args.select_from).resolve() == out.resolve():
+        raise ValueError("--out must differ from --select-from (the source artifact is not overwritten)")
+    base = Calibration.load(args.select_from, model=model)
+    calib = select_from(model, tok, base, args.data, budget=args.bit_budget, progress=not args.quiet)
+    calib.provenance["selected_from"] = str(Path(args.select_from).resolve())
+    calib.provenance["selection_wall_time_s"] = round(time.time() - t0, 2)
+    calib.save(out)
+    print(format_summary(calib, out))
     return 0

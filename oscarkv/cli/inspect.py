@@ -72,9 +72,44 @@ def format_summary(calib: Any, path: str | Path | None = None) -> str:
                      f"{r['mu_v_norm']:6.2f}")
     lines.append(f"(top-{TOP}: share of the key/value target's energy in its {TOP} largest eigen-directions; "
                  "cond: largest / smallest eigenvalue)")
+    lines += format_lines(calib)
     if path is not None:
         lines.append(f"saved        {Path(path).resolve()}")
     return "\n".join(lines)
+
+
+def format_rows(calib: Any) -> list[dict]:
+    """Per layer: the selected key/value formats and their predicted held-out errors (empty without
+    ``layer_formats``)."""
+    if calib.layer_formats is None:
+        return []
+    rows = []
+    for i, entry in enumerate(calib.layer_formats):
+        k, v = calib.formats(i)
+        rows.append({"layer": i, "k": k.label, "v": v.label, "k_error": entry.get("k_error"),
+                     "v_error": entry.get("v_error")})
+    return rows
+
+
+def format_lines(calib: Any) -> list[str]:
+    """The ``layer_formats`` table (oscar-auto), or nothing."""
+    rows = format_rows(calib)
+    if not rows:
+        return []
+    from oscarkv.methods import nominal_bits
+
+    sel = calib.provenance.get("format_selection", {})
+    budget = sel.get("budget", calib.spec.bit_budget)
+    lines = ["", f"per-layer formats (method oscar-auto): {nominal_bits('oscar-auto', calib.model.head_dim, calib):.3f} "
+             f"bits/element in the quantized tier, budget {budget}",
+             "layer  key format                   pred. K err  value format                 pred. V err"]
+    for r in rows:
+        ke = "-" if r["k_error"] is None else f"{r['k_error']:.4f}"
+        ve = "-" if r["v_error"] is None else f"{r['v_error']:.4f}"
+        lines.append(f"{r['layer']:5d}  {r['k']:27s}  {ke:>11s}  {r['v']:27s}  {ve:>11s}")
+    lines.append("(pred. err: relative attention-output error of the layer on held-out calibration tokens, only K "
+                 "or only V quantized; format = layout+bits/rotation@clip)")
+    return lines
 
 
 def plot(calib: Any, out: str | Path) -> Path:
@@ -115,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps({"model": calib.model.__dict__, "spec": calib.spec.to_dict(), "layers": summary_rows(calib),
-                          "bits_per_element": calib.bits_per_element(), "provenance": calib.provenance}, indent=2))
+                          "bits_per_element": calib.bits_per_element(), "layer_formats": format_rows(calib),
+                          "provenance": calib.provenance}, indent=2))
     else:
         print(format_summary(calib, args.path))
     if args.plot:

@@ -1,0 +1,264 @@
+"""Per-layer format selection under a bit budget (``oscar-auto``; docs/recipe.md).
+
+For every layer and for K and V separately, each candidate :class:`~oscarkv.artifact.TensorFormat` (rotation
+calibrated / Hadamard / none; token rows with a fitted clip or, for keys, channel pages; 2 or 4 bits) is scored
+by the relative error of the layer's attention output on held-out calibration tokens, with only that tensor
+quantized and the cache's tier rule (16-bit sink and window, demotion by pages). An exact multiple-choice
+knapsack then picks one format per tensor minimising the sum of squared relative errors under the average
+bit budget. The sum of squares is used because the per-layer errors enter the logits as roughly independent
+perturbations whose variances add; it also makes one catastrophic layer dominate, which is the failure mode
+this selection exists to catch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..artifact import Calibration, TensorFormat
+from ..cache.tiers import TierPolicy
+from ..config import QuantSpec
+from ..quant import clip_index, dequantize, dequantize_per_channel, quantize, quantize_per_channel
+from ..rotation import hadamard
+from .fit import fit_windows
+from .stats import HeldOut, causal_mask
+
+KEY_CANDIDATES = tuple(TensorFormat(layout, bits, rot) for bits in (2, 4)
+                       for layout, rot in (("token", "calibrated"), ("token", "hadamard"), ("token", "none"),
+                                           ("channel", "none"), ("channel", "calibrated")))
+VALUE_CANDIDATES = tuple(TensorFormat("token", bits, rot) for bits in (2, 4)
+                         for rot in ("calibrated", "hadamard", "none"))
+UNIT = 64  # cost resolution of the knapsack: 1/64 bit per element
+
+
+@dataclass
+class Scored:
+    """A candidate format (its fitted clip filled in) with its held-out error: ``error`` over the layer,
+    ``head_error`` ``[Hkv]`` per KV head (relative attention-output error, only this tensor quantized)."""
+
+    format: TensorFormat
+    bits: float
+    error: float
+    head_error: list[float]
+
+
+def default_budget(head_dim: int) -> float:
+    """KIVI-2's nominal bits per element at ``head_dim`` (per-channel keys in 32-token groups, per-token values)."""
+    from ..methods import get
+
+    return get("kivi-2").bits_per_element(head_dim)
+
+
+def resolve_budget(budget: float | str | None, head_dim: int) -> float:
+    """A number, or "kivi"/None for :func:`default_budget`."""
+    if budget is None or budget == "kivi":
+        return default_budget(head_dim)
+    return float(budget)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+def _rotation(fmt: TensorFormat, calibrated: Tensor, d: int) -> Tensor | None:
+    if fmt.rotation == "calibrated":
+        return calibrated
+    return hadamard(d).expand(calibrated.shape).to(calibrated) if fmt.rotation == "hadamard" else None
+
+
+def roundtrips(x: Tensor, fmt: TensorFormat, r: Tensor | None, mu: Tensor, spec: QuantSpec, page: int,
+               clips: Sequence[float]) -> list[Tensor]:
+    """``x`` ``[H, n, d]`` (model basis, ``n`` a multiple of ``page`` for the channel layout) as the cache
+    returns it in ``fmt`` (centered by ``mu`` ``[H, d]``, rotated by ``r`` ``[H, d, d]`` or not), one result per
+    clip ratio in ``clips`` (token layout; the channel layout ignores them and returns one)."""
+    stored = x - mu.unsqueeze(1)
+    if r is not None:
+        stored = stored @ r
+    meta = spec.meta_dtype
+    outs = []
+    if fmt.layout == "channel":
+        H, n, d = stored.shape
+        pages = stored.reshape(H, n // page, page, d).transpose(0, 1)
+        q = quantize_per_channel(pages, bits=fmt.bits, group_size=page, meta_dtype=meta)
+        outs.append(dequantize_per_channel(q).transpose(0, 1).reshape(H, n, d))
+    else:
+        sorted_abs = stored.abs().sort(dim=-1).values
+        for ratio in clips:
+            idx = clip_index(ratio, stored.shape[-1])
+            y = stored
+            if idx is not None:
+                tau = sorted_abs[..., idx: idx + 1]
+                y = torch.minimum(torch.maximum(stored, -tau), tau)
+            q = quantize(y, bits=fmt.bits, group_size=spec.group_for(y.shape[-1]), clip_ratio=0.0, meta_dtype=meta,
+                         check_finite=False)
+            outs.append(dequantize(q, torch.float32))
+    return [(o @ r.transpose(-1, -2) if r is not None else o) + mu.unsqueeze(1) for o in outs]
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def chunk_policy(T: int, spec: QuantSpec) -> TierPolicy:
+    """The tier rule used on a held-out chunk of ``T`` tokens (windows shrunk for short chunks, as clip fitting)."""
+    sink, window = fit_windows(T, spec)
+    return TierPolicy(sink=sink, window=window, unit=spec.page_size)
+
+
+class _Chunk:
+    """One held-out chunk of one layer, prepared once: rows that see a quantized token, masks, reference."""
+
+    def __init__(self, h: HeldOut, policy: TierPolicy, max_queries: int):
+        H, T, d = h.k.shape
+        i = torch.arange(T)
+        qn = policy.quantized_t(i)  # query i sees a stored prefix of i tokens (decode) and itself
+        rows = (qn > 0).nonzero().squeeze(1)
+        if rows.numel() > max_queries:
+            rows = rows[torch.linspace(0, rows.numel() - 1, max_queries).round().long()]
+        self.h, self.H, self.rows = h, H, rows
+        self.n_q = policy.quantized(T - 1) if T else 0
+        self.S = policy.sink
+        t = torch.arange(T)[None]
+        self.valid = causal_mask(T, h.sliding_window)[rows]
+        self.quant = (t >= self.S) & (t < self.S + qn[rows, None]) & self.valid
+        self.q = h.q[:, rows].reshape(H, -1, rows.numel(), d)  # [H, g, R, d]
+        self.s_base = self._scale(self.q @ h.k.unsqueeze(1).transpose(-1, -2)).masked_fill(~self.valid, float("-inf"))
+        self.p = torch.softmax(self.s_base, dim=-1)
+        self.ref = self.p @ h.v.unsqueeze(1)
+        self.den = (self.ref * self.ref).sum(dim=(1, 2, 3)).double()
+        self.quant_band = self.quant[:, self.S: self.S + self.n_q]
+
+    def _scale(self, s: Tensor) -> Tensor:
+        s = s * self.h.scaling
+        if self.h.softcap is not None:
+            s = torch.tanh(s / self.h.softcap) * self.h.softcap
+        return s
+
+    def band(self, x: Tensor) -> Tensor:
+        return x[:, self.S: self.S + self.n_q]
+
+    def key_error(self, k_band: Tensor) -> Tensor:
+        """Per-head squared error ``[H]`` with the quantized band of keys replaced by ``k_band``."""
+        s = self.s_base.clone()
+        cols = slice(self.S, self.S + self.n_q)
+        s_band = self._scale(self.q @ k_band.unsqueeze(1).transpose(-1, -2))
+        s[..., cols] = torch.where(self.quant_band, s_band, s[..., cols])
+        diff = torch.softmax(s, dim=-1) @ self.h.v.unsqueeze(1) - self.ref
+        return (diff * diff).sum(dim=(1, 2, 3)).double()
+
+    def value_error(self, v_band: Tensor) -> Tensor:
+        dv = torch.zeros_like(self.h.v)
+        dv[:, self.S: self.S + self.n_q] = v_band - self.band(self.h.v)
+        diff = (self.p * self.quant) @ dv.unsqueeze(1)
+        return (diff * diff).sum(dim=(1, 2, 3)).double()
+
+
+def score_layer(held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSpec, which: str,
+                candidates: Sequence[TensorFormat] | None = None, max_queries: int = 256) -> list[Scored]:
+    """Held-out error of every candidate format for the keys (``which="k"``) or values (``"v"``) of one layer.
+
+    ``held``: the layer's held-out chunks; ``layer``: ``r_k``/``r_v`` ``[H, d, d]`` and ``mu_k``/``mu_v`` ``[H, d]``
+    (float32, the calibration's). Token-layout candidates get the clip ratio of ``spec.clip_grid`` with the
+    smallest error (ties to the least clipping)."""
+    cands = list(candidates or (KEY_CANDIDATES if which == "k" else VALUE_CANDIDATES))
+    grid = list(spec.clip_grid)
+    chunks = [_Chunk(h, chunk_policy(h.k.shape[1], spec), max_queries) for h in held]
+    chunks = [c for c in chunks if c.rows.numel() and c.n_q]
+    if not chunks:
+        raise ValueError("no held-out chunk is long enough to have quantized tokens (need more than sink + "
+                         "window + page tokens per chunk)")
+    H, d = layer["mu_k"].shape
+    den = sum(c.den for c in chunks)
+    out = []
+    for fmt in cands:
+        if which == "v" and fmt.layout != "token":
+            raise ValueError(f"values are stored token-wise only; got candidate {fmt.label}")
+        r = _rotation(fmt, layer[f"r_{which}"], d)
+        clips = grid if fmt.layout == "token" else [0.0]
+        num = torch.zeros(len(clips), H, dtype=torch.float64)
+        for c in chunks:
+            x = c.band(c.h.k if which == "k" else c.h.v)
+            for j, xh in enumerate(roundtrips(x, fmt, r, layer[f"mu_{which}"], spec, spec.page_size, clips)):
+                num[j] += c.key_error(xh) if which == "k" else c.value_error(xh)
+        errs = (num.sum(1) / den.sum()).sqrt()
+        best = float(errs.min())
+        j = min((i for i, e in enumerate(errs.tolist()) if e <= best * (1 + 1e-9) + 1e-12), key=lambda i: -clips[i])
+        clip = clips[j] if 0.0 < clips[j] < 1.0 else 0.0
+        chosen = TensorFormat(fmt.layout, fmt.bits, fmt.rotation, clip)
+        out.append(Scored(chosen, chosen.bits_per_element(d, spec.page_size, spec.group_size), float(errs[j]),
+                          (num[j] / den).sqrt().tolist()))
+    return out
+
+
+# -------------------------------------------------------------------------------------------- allocation
+def allocate(scores: Sequence[Sequence[Scored]], budget: float) -> list[int]:
+    """Exact multiple-choice knapsack: one candidate index per tensor minimising ``sum error^2`` with the mean
+    of the chosen ``bits`` at most ``budget`` (costs rounded to 1/64 bit). Ties go to fewer bits.
+    Raises ``ValueError`` when even the cheapest candidates exceed the budget."""
+    n = len(scores)
+    cost = [[int(round(c.bits * UNIT)) for c in cands] for cands in scores]
+    cap = int(budget * n * UNIT + 1e-6)
+    floor = sum(min(c) for c in cost)
+    if floor > cap:
+        raise ValueError(f"bit budget {budget:g} is below the cheapest formats' {floor / n / UNIT:.3f} bits/element")
+    inf = float("inf")
+    dp = torch.full((cap + 1,), inf, dtype=torch.float64)
+    dp[0] = 0.0
+    choice = torch.zeros(n, cap + 1, dtype=torch.int64)
+    for t, cands in enumerate(scores):
+        new = torch.full_like(dp, inf)
+        for j, c in enumerate(cands):
+            w = cost[t][j]
+            if w > cap:
+                continue
+            cand = torch.full_like(dp, inf)
+            cand[w:] = dp[: cap + 1 - w] + c.error ** 2
+            better = cand < new
+            new = torch.where(better, cand, new)
+            choice[t] = torch.where(better, torch.full_like(choice[t], j), choice[t])
+        dp = new
+    best = float(dp.min())
+    c = int(((dp <= best * (1 + 1e-12) + 1e-15) & torch.isfinite(dp)).nonzero()[0])  # cheapest optimum
+    picks = [0] * n
+    for t in range(n - 1, -1, -1):
+        picks[t] = int(choice[t, c])
+        c -= cost[t][picks[t]]
+    return picks
+
+
+def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget: float | str | None = None,
+                   progress: bool = False, key_candidates: Sequence[TensorFormat] | None = None,
+                   value_candidates: Sequence[TensorFormat] | None = None) -> tuple[list[dict], dict]:
+    """``(layer_formats, record)``: per layer the selected key and value formats with their predicted held-out
+    errors, under the mean ``budget`` bits per element (default KIVI-2's). ``held[i]`` are layer ``i``'s held-out
+    chunks; the rotations, means and spec come from ``calib``. ``record`` holds every candidate's error.
+    Candidates default to :data:`KEY_CANDIDATES` / :data:`VALUE_CANDIDATES`."""
+    from tqdm.auto import tqdm
+
+    spec, d = calib.spec, calib.model.head_dim
+    bits = resolve_budget(budget, d)
+    scores: list[list[Scored]] = []
+    for i in tqdm(range(calib.model.num_layers), desc="scoring formats", unit="layer", disable=not progress):
+        t = calib.layer(i)
+        layer = {n: t[n].float().contiguous() for n in ("r_k", "r_v", "mu_k", "mu_v")}
+        if not spec.centering:
+            layer["mu_k"], layer["mu_v"] = torch.zeros_like(layer["mu_k"]), torch.zeros_like(layer["mu_v"])
+        scores.append(score_layer(held[i], layer, spec, "k", key_candidates))
+        scores.append(score_layer(held[i], layer, spec, "v", value_candidates))
+    picks = allocate(scores, bits)
+    formats = []
+    for i in range(calib.model.num_layers):
+        k, v = scores[2 * i][picks[2 * i]], scores[2 * i + 1][picks[2 * i + 1]]
+        formats.append({"k": k.format.to_dict(), "v": v.format.to_dict(), "k_error": round(k.error, 6),
+                        "v_error": round(v.error, 6), "k_bits_per_element": k.bits,
+                        "v_bits_per_element": v.bits})
+    chosen = [scores[t][p] for t, p in enumerate(picks)]
+    record = {
+        "budget": bits, "bits_per_element": sum(c.bits for c in chosen) / len(chosen),
+        "objective": "sum of squared relative attention-output errors (K and V of every layer)",
+        "predicted_sum_sq": sum(c.error ** 2 for c in chosen),
+        "candidates": [[{"format": c.format.label, "bits": c.bits, "error": round(c.error, 6),
+                         "head_error": [round(e, 6) for e in c.head_error]} for c in cands] for cands in scores],
+    }
+    return formats, record
+
+
+__all__ = ["KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate", "select_formats",
+           "default_budget", "resolve_budget", "roundtrips", "chunk_policy"]

@@ -1,0 +1,98 @@
+"""Per-layer formats in the cache (oscar-auto): each layer of a mixed-format store holds exactly what a store of
+that single format holds; channel pages follow ``quantize_per_channel`` on each page."""
+
+import pytest
+import torch
+
+from oscarkv import methods
+from oscarkv.artifact import ArtifactError, Calibration, ModelIdentity, TensorFormat
+from oscarkv.cache import ChannelPool, TokenPool, build_store
+from oscarkv.config import QuantSpec
+from oscarkv.quant import dequantize_per_channel, quantize_per_channel
+
+D, H = 64, 2
+IDENT = ModelIdentity("llama", num_layers=3, num_q_heads=4, num_kv_heads=H, head_dim=D, hidden_size=256)
+SPEC = QuantSpec(k_clip=0.9, v_clip=0.9, sink=4, window=8, page_size=16)
+MIXED = [
+    {"k": {"layout": "channel", "bits": 2, "rotation": "none"}, "v": {"layout": "token", "bits": 4,
+                                                                       "rotation": "hadamard"}},
+    {"k": {"layout": "token", "bits": 2, "rotation": "calibrated", "clip": 0.94},
+     "v": {"layout": "token", "bits": 2, "rotation": "calibrated", "clip": 0.9}},
+    {"k": {"layout": "channel", "bits": 4, "rotation": "calibrated"}, "v": {"layout": "token", "bits": 2,
+                                                                             "rotation": "none", "clip": 0.88}},
+]
+
+
+def _calib(formats=None) -> Calibration:
+    c = Calibration.identity(IDENT, SPEC, clip=0.9)
+    torch.manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(3, D, D))
+    c.r_k.copy_(q)
+    c.r_v.copy_(q.flip(0))
+    c.mu_k.normal_()
+    c.mu_v.normal_()
+    c.layer_formats = formats
+    c.validate_shapes()
+    return c
+
+
+def _fill(store, rows_k, rows_v, steps=(5, 1, 17, 3, 30, 1, 1, 20)):
+    t = 0
+    for m in steps:
+        store.append(0, rows_k[:, t: t + m], rows_v[:, t: t + m])
+        t += m
+    return store
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_mixed_store_equals_single_format_store(layer):
+    mixed = methods.resolve("oscar-auto", _calib(MIXED))
+    single = methods.resolve("oscar-auto", _calib([MIXED[layer]] * 3))
+    assert not mixed.uniform
+    torch.manual_seed(layer)
+    k, v = torch.randn(H, 78, D) * 3, torch.randn(H, 78, D)
+    a = _fill(build_store(mixed, layer, 1, H, D, torch.float32, "cpu"), k, v)
+    b = _fill(build_store(single, (layer + 1) % 3, 1, H, D, torch.float32, "cpu"), k, v)
+    ta, tb = a.tiers(0), b.tiers(0)
+    assert ta["k_quantized"].shape[1] == 64  # 78 - 4 sink - 10 recent -> 4 pages of 16
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    assert a.nbytes().used_quantized == b.nbytes().used_quantized
+
+
+def test_layer_pools_follow_formats():
+    r = methods.resolve("oscar-auto", _calib(MIXED))
+    s0, s1, s2 = (build_store(r, i, 1, H, D, torch.bfloat16, "cpu") for i in range(3))
+    assert isinstance(s0.k_pool, ChannelPool) and s0.k_pool.group == 16 and s0.k_pool.bits == 2
+    assert isinstance(s0.v_pool, TokenPool) and s0.v_pool.fmt.bits == 4
+    assert isinstance(s1.k_pool, TokenPool) and s1.k_pool.clip == 0.94 and s1.v_pool.clip == 0.9
+    assert isinstance(s2.k_pool, ChannelPool) and s2.k_pool.bits == 4 and s2.v_pool.fmt.bits == 2
+
+
+def test_channel_pages_equal_per_channel_quantizer_on_each_page():
+    r = methods.resolve("oscar-auto", _calib(MIXED))
+    store = build_store(r, 0, 1, H, D, torch.float32, "cpu")
+    torch.manual_seed(3)
+    k, v = torch.randn(H, 60, D) * 2 + 1, torch.randn(H, 60, D)
+    _fill(store, k, v, steps=(60,))
+    got = store.tiers(0)["k_quantized"]  # tokens 4..51: 3 pages of 16
+    assert got.shape[1] == 48
+    for p in range(3):
+        page = k[:, 4 + 16 * p: 4 + 16 * (p + 1)]  # rows arrive centered and rotated (here: as given)
+        want = dequantize_per_channel(quantize_per_channel(page, bits=2, group_size=16))
+        assert torch.equal(got[:, 16 * p: 16 * (p + 1)], want)
+
+
+def test_unknown_format_names_error_clearly():
+    with pytest.raises(ArtifactError, match="unknown format layout 'rows'"):
+        _calib([{"k": {"layout": "rows"}, "v": {}}] * 3)
+    with pytest.raises(ArtifactError, match="unknown format rotation"):
+        TensorFormat(rotation="random")
+    with pytest.raises(ArtifactError, match="bits must be 2 or 4"):
+        TensorFormat(bits=3)
+    with pytest.raises(ArtifactError, match="unknown tensor-format key"):
+        TensorFormat.from_dict({"layout": "token", "bitz": 2})
+    with pytest.raises(ArtifactError, match="values are stored token-wise"):
+        _calib([{"k": {}, "v": {"layout": "channel"}}] * 3)
+    with pytest.raises(ArtifactError, match="'k' and 'v'"):
+        _calib([{"bits": 4}] * 3)

@@ -1,0 +1,116 @@
+"""Per-layer format selection: scoring on held-out tokens, the budgeted allocation, calibrate/inspect wiring."""
+
+import itertools
+
+import pytest
+import torch
+
+from oscarkv.artifact import Calibration, TensorFormat
+from oscarkv.calib.select import Scored, allocate, default_budget, score_layer, select_formats
+from oscarkv.calib.stats import HeldOut
+from oscarkv.config import QuantSpec
+
+H, G, T, D = 2, 2, 160, 16
+SPEC = QuantSpec(sink=4, window=16, page_size=16, clip_grid=(1.0, 0.9))
+
+
+def _held(seed: int, outlier_channels: bool) -> HeldOut:
+    """Keys ``a_t * u`` (u a fixed +-1 vector: two levels per token row, exact token-wise, spread per channel),
+    or keys with a few huge channels (hard for one scale per token row, easy per channel)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(H * G, T, D, generator=g)
+    if outlier_channels:
+        k = 3 * torch.randn(H, T, D, generator=g)
+        k[:, :, :2] = 40 + 10 * torch.randn(H, T, 2, generator=g)
+        q[:, :, :2] *= 0.01
+    else:
+        u = torch.randint(0, 2, (H, 1, D), generator=g) * 2.0 - 1
+        k = 3 * torch.randn(H, T, 1, generator=g) * u + 0.01 * torch.randn(H, T, D, generator=g)
+    v = torch.randn(H, T, D, generator=g)
+    return HeldOut(q, k, v, D ** -0.5)
+
+
+def _layer():
+    eye = torch.eye(D).expand(H, D, D).clone()
+    return {"r_k": eye, "r_v": eye.clone(), "mu_k": torch.zeros(H, D), "mu_v": torch.zeros(H, D)}
+
+
+def test_channel_pages_win_on_planted_outlier_channels():
+    cands = [TensorFormat("token", 2, "none"), TensorFormat("channel", 2, "none")]
+    easy = score_layer([_held(0, False)], _layer(), SPEC, "k", cands)
+    hard = score_layer([_held(0, True)], _layer(), SPEC, "k", cands)
+    assert hard[1].error < 0.5 * hard[0].error  # per-channel pages beat token rows on outlier channels
+    assert all(len(s.head_error) == H for s in easy + hard)
+    assert hard[0].bits == hard[1].bits == pytest.approx(2 + 32 / 16)
+    four = score_layer([_held(0, True)], _layer(), SPEC, "k", [TensorFormat("token", 4, "none")])
+    assert four[0].error < hard[0].error
+
+
+def test_allocate_respects_budget_and_is_optimal():
+    g = torch.Generator().manual_seed(0)
+    scores = []
+    for _ in range(5):
+        e = torch.rand(3, generator=g).sort(descending=True).values.tolist()
+        scores.append([Scored(TensorFormat(), b, err, []) for b, err in zip((2.5, 2.5 + 0.5, 4.5), e)])
+    for budget in (2.5, 2.75, 3.2, 4.5):
+        picks = allocate(scores, budget)
+        mean_bits = sum(scores[t][p].bits for t, p in enumerate(picks)) / 5
+        assert mean_bits <= budget + 1e-9
+        best = min((sum(scores[t][p].error ** 2 for t, p in enumerate(c)), c)
+                   for c in itertools.product(range(3), repeat=5)
+                   if sum(scores[t][p].bits for t, p in enumerate(c)) / 5 <= budget + 1e-9)
+        assert sum(scores[t][p].error ** 2 for t, p in enumerate(picks)) == pytest.approx(best[0])
+    with pytest.raises(ValueError, match="below the cheapest"):
+        allocate(scores, 2.0)
+
+
+def test_allocate_upgrades_the_worst_tensor():
+    s = [[Scored(TensorFormat(), 2.5, 0.1, []), Scored(TensorFormat(bits=4), 4.5, 0.01, [])] for _ in range(7)]
+    s.append([Scored(TensorFormat(), 2.5, 1.3, []), Scored(TensorFormat(bits=4), 4.5, 0.2, [])])
+    picks = allocate(s, 2.75)  # room for one upgrade: it goes to the 130 % tensor
+    assert picks == [0] * 7 + [1]
+
+
+def test_default_budget_is_kivi():
+    assert default_budget(64) == pytest.approx(2.75) and default_budget(128) == pytest.approx(2.625)
+
+
+def test_select_formats_planted_layer_and_roundtrip(tmp_path):
+    from oscarkv.artifact import ModelIdentity
+    from oscarkv.cli.inspect import format_summary
+
+    ident = ModelIdentity("llama", num_layers=3, num_q_heads=H * G, num_kv_heads=H, head_dim=D, hidden_size=64)
+    calib = Calibration.identity(ident, SPEC)
+    held = [[_held(1, False)], [_held(2, True)], [_held(3, False)]]
+    kc = [TensorFormat("token", 2, "none"), TensorFormat("channel", 2, "none"), TensorFormat("token", 4, "none")]
+    vc = [TensorFormat("token", 2, "none"), TensorFormat("token", 4, "none")]
+    formats, record = select_formats(held, calib, 2 + 32 / 16, key_candidates=kc, value_candidates=vc)
+    calib.layer_formats = formats
+    ks = [calib.formats(i)[0] for i in range(3)]
+    assert [k.layout for k in ks] == ["token", "channel", "token"]  # the planted outlier layer, no room for 4-bit
+    assert record["bits_per_element"] <= 4.0 + 1e-9 and len(record["candidates"]) == 6
+    calib.save(tmp_path / "a")
+    again = Calibration.load(tmp_path / "a")
+    assert again.layer_formats == formats and again.formats(1)[0] == ks[1]
+    assert again.spec == calib.spec
+    text = format_summary(again)
+    assert "per-layer formats" in text and "channel2/none" in text
+
+
+def test_calibrate_with_bit_budget_selects_and_oscar_auto_resolves(tmp_path):
+    from calib_helpers import VOCAB, tiny_model
+
+    from oscarkv import methods
+    from oscarkv.calib import calibrate
+
+    model = tiny_model("qwen2", layers=2)
+    chunks = [torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    spec = QuantSpec(sink=4, window=16, page_size=16, clip_grid=(1.0, 0.9), bit_budget=5.0)
+    calib = calibrate(model, None, chunks, spec=spec, tokens=288, holdout=0.34, progress=False)
+    assert calib.layer_formats is not None and len(calib.layer_formats) == 2
+    assert methods.nominal_bits("oscar-auto", 16, calib) <= 5.0 + 1e-9
+    assert calib.provenance["format_selection"]["budget"] == 5.0
+    recipe = methods.resolve("oscar-auto", calib)
+    assert [recipe.layer_format(i)[2] for i in range(2)] == [calib.formats(i)[0].layout for i in range(2)]
+    calib.save(tmp_path / "c")
+    assert Calibration.load(tmp_path / "c").spec.bit_budget == 5.0
