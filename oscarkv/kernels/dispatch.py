@@ -51,8 +51,11 @@ def _kernels_supported(fmt, v_fmt=None) -> bool:
 
 
 def _write_supported(k_pages: QuantPages, v_pages: QuantPages) -> bool:
-    """The Triton quantize kernel handles these pools (channel-page keys need a power-of-two page >= 16)."""
-    fk = k_pages.fmt
+    """The Triton quantize kernel handles these pools: K and V of one geometry (bits, groups, ...; else "auto"
+    runs the reference, e.g. for 2-bit keys with 4-bit values), channel-page keys with a power-of-two page >= 16."""
+    fk, fv = k_pages.fmt, v_pages.fmt
+    if fv.channel or not fk.same_geometry(fv):
+        return False
     return not fk.channel or (fk.page_size >= 16 and not fk.page_size & (fk.page_size - 1))
 
 

@@ -266,3 +266,11 @@ def test_gpu_channel_decode_in_cuda_graph_sees_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, decode_attention_ref(q, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)) < 1e-3
+
+
+def test_write_dispatch_falls_back_for_mixed_bits():
+    kf = PageFormat(1, 64, 16, bits=2, layout="channel")
+    vf = PageFormat(1, 64, 16, bits=4)
+    assert not dispatch._write_supported(QuantPages.allocate(kf, 1), QuantPages.allocate(vf, 1))
+    assert dispatch._write_supported(QuantPages.allocate(kf, 1), QuantPages.allocate(_fmts(1, 64, 16)[1], 1))
+    assert not dispatch._kernels_supported(kf, vf)
