@@ -6,7 +6,7 @@
     python benchmarks/bench_vllm_tp.py --merge tp1.json tp2.json --out docs/results/vllm_tp2_h200.json
 
 The model (Qwen3-8B shape: 36 layers, 32/8 heads, d=128, hidden 4096, random weights from transformers' init,
-seed 0, final norm gain 100 so that greedy decoding is not a coin toss between tied logits) is written once under ``--work`` as safetensors, so TP=1 and TP=2 load the same weights (vLLM's "dummy"
+seed 0, optional final-norm gain ``--peak``) is written once under ``--work`` as safetensors, so TP=1 and TP=2 load the same weights (vLLM's "dummy"
 loader would initialise each shard on its own). The calibration is random too (orthogonal rotations, small means,
 clip 0.96/0.92, sink 64 + window 256). Every engine runs in its own process; both kinds run eager (the OSCAR
 backend has no CUDA graphs yet), at the same ``gpu_memory_utilization``.
@@ -32,14 +32,14 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)
 PROMPT_LENS = (1400, 900, 600, 300)
-PEAK = 100.0  # final RMSNorm gain of the random model (see make_model)
+FORCED_CHUNK = 256  # prefill chunk of the teacher-forced check: later chunks read the earlier ones as stored
 NEW_TOKENS = 24
 TOPK = 20
 # NVLink multicast stays off on the lent machines (device KINDS.md); children inherit these.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def make_model(root: Path) -> tuple[Path, Path]:
+def make_model(root: Path, peak: float = 1.0) -> tuple[Path, Path]:
     """Random-weight Qwen3-8B-shaped model + random calibration (deterministic; reused when present)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -48,17 +48,17 @@ def make_model(root: Path) -> tuple[Path, Path]:
     from oscarkv.config import QuantSpec
     from oscarkv.rotation import random_orthogonal
 
-    model_dir, calib_dir = root / "qwen3-8b-random-peaked", root / "qwen3-8b-random-calib"
+    model_dir, calib_dir = root / f"qwen3-8b-random-gain{peak:g}", root / "qwen3-8b-random-calib"
     cfg = Qwen3Config(**QWEN3_8B, architectures=["Qwen3ForCausalLM"])
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
             model = Qwen3ForCausalLM(cfg)
-            # Peaked next-token distributions: with transformers' init the logits have std ~1.3 over 152K tokens,
-            # so greedy decoding meets exact bf16 ties and TP=1 vs TP=2 comparisons only measure tie-breaking.
+            # Optional final-norm gain (--peak). Measured: it does not remove greedy ties, since bf16 logits
+            # have a relative resolution of 2^-8 whatever their scale; the teacher-forced check is the one to read.
             with torch.no_grad():
-                model.model.norm.weight.fill_(PEAK)
+                model.model.norm.weight.fill_(peak)
         torch.set_default_dtype(torch.float32)
         model.save_pretrained(model_dir, max_shard_size="4GB")
         del model
@@ -87,6 +87,8 @@ def child(spec: dict) -> None:
               tensor_parallel_size=spec["tp"])
     if spec.get("oscar"):
         kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
+    if spec.get("forced"):
+        kw.update(enable_chunked_prefill=True, max_num_batched_tokens=FORCED_CHUNK)
     t0 = time.time()
     llm = LLM(**kw)
     out: dict = {"engine_start_s": time.time() - t0}
@@ -97,6 +99,10 @@ def child(spec: dict) -> None:
     out["greedy"] = [{"tokens": list(r.outputs[0].token_ids),
                       "top": [{str(t): lp.logprob for t, lp in step.items()} for step in r.outputs[0].logprobs]}
                      for r in res]
+    if spec.get("forced"):  # teacher-forced: log-prob of every prompt token, prompts prefilled in chunks
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=0)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        out["forced"] = [[next(iter(d.values())).logprob if d else None for d in r.prompt_logprobs] for r in res]
     cc = llm.llm_engine.vllm_config.cache_config
     out["kv_capacity_blocks"], out["block_size"] = cc.num_gpu_blocks, cc.block_size
     if spec.get("context"):
@@ -166,13 +172,15 @@ def phase(a, name: str) -> dict:
     root = Path(a.work)
     root.mkdir(parents=True, exist_ok=True)
     t = time.time()
-    model_dir, calib_dir = make_model(root)
-    report = {"phase": name, "provenance": provenance(), "model": {"shape": "Qwen3-8B, random weights", **QWEN3_8B},
+    model_dir, calib_dir = make_model(root, a.peak)
+    report = {"phase": name + ("-forced" if a.forced else ""), "provenance": provenance(), "model": {"shape": "Qwen3-8B, random weights", "final_norm_gain": a.peak, **QWEN3_8B},
               "model_write_s": time.time() - t, "runs": {}, "logs": {}}
     tp = 1 if name == "tp1" else 2
     common = {"model": str(model_dir), "util": a.util, "tp": tp, "max_model_len": max(a.context + a.gen, 2048) + 64}
-    if tp == 2:
+    if tp == 2 and a.context:
         common.update(context=a.context, gen=a.gen)
+    if a.forced:
+        common.update(forced=True)
     plan = [("oscar", {**common, "oscar": {"calibration": str(calib_dir)}, "max_num_seqs": a.max_seqs}),
             ("bf16", {**common, "max_num_seqs": a.max_seqs})]
     report["settings"] = {k: v for k, v in common.items() if k != "model"} | {"max_num_seqs": a.max_seqs,
@@ -191,6 +199,7 @@ def phase(a, name: str) -> dict:
 def merge(paths: list[str]) -> dict:
     phases = {json.loads(Path(p).read_text())["phase"]: json.loads(Path(p).read_text()) for p in paths}
     tp1, tp2 = phases.get("tp1", {}), phases.get("tp2", {})
+    sfx = "-forced" if "tp1-forced" in phases else ""
     out = {"provenance": {k: v.get("provenance") for k, v in phases.items()}, "model": tp2.get("model") or tp1.get("model"),
            "settings": {k: v.get("settings") for k, v in phases.items()}, "runs": {}, "logs": {}}
     for ph, rep in phases.items():
@@ -205,6 +214,16 @@ def merge(paths: list[str]) -> dict:
     if greedy.get("bf16_tp1") and greedy.get("oscar_tp1"):
         checks["oscar vs bf16 at tp1 (quantization effect, for scale)"] = compare(greedy["bf16_tp1"], greedy["oscar_tp1"])
     out["greedy_checks"] = checks
+    forced = {k: (v or {}).get("forced") for k, v in out["runs"].items()}
+    fchecks = {}
+    for x, y, label in ((f"oscar_tp1{sfx}", f"oscar_tp2{sfx}", "oscar: tp2 vs tp1"),
+                        (f"bf16_tp1{sfx}", f"bf16_tp2{sfx}", "bf16: tp2 vs tp1"),
+                        (f"bf16_tp1{sfx}", f"oscar_tp1{sfx}", "oscar vs bf16 at tp1 (quantization effect, for scale)")):
+        if forced.get(x) and forced.get(y):
+            d = [abs(a - b) for p, q in zip(forced[x], forced[y]) for a, b in zip(p, q) if a is not None and b is not None]
+            fchecks[label] = {"positions": len(d), "mean_abs_logprob_diff": sum(d) / len(d), "max_abs_logprob_diff": max(d)}
+    if fchecks:
+        out["forced_checks"] = fchecks
     r = {k: out["runs"].get(f"{k}_tp2") or {} for k in ("oscar", "bf16")}
     for key in ("kv_capacity_tokens", "output_tok_s", "decode_tok_s", "prefill_tok_s"):
         if r["oscar"].get(key) and r["bf16"].get(key):
@@ -223,6 +242,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--gen", type=int, default=192)
     ap.add_argument("--max-seqs", type=int, default=128)
+    ap.add_argument("--peak", type=float, default=1.0, help="final RMSNorm gain of the random model")
+    ap.add_argument("--forced", action="store_true", help="teacher-forced log-probs (chunked prefill of 256)")
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds for the whole phase")
     a = ap.parse_args()
     if a.child:

@@ -56,7 +56,7 @@ stage2|tp1|tp2)
   if [ "$1" = stage2 ]; then
     python3 benchmarks/bench_vllm.py --out "${OUT:-.}/vllm_h200.json" --deadline "${DEADLINE:-200}"
   else
-    python3 benchmarks/bench_vllm_tp.py --phase "$1" --out "${OUT:-.}/$1.json" --deadline "${DEADLINE:-500}"
+    python3 benchmarks/bench_vllm_tp.py --phase "$1" --out "${OUT:-.}/$1.json" --deadline "${DEADLINE:-500}" ${TP_ARGS:-}
   fi ;;
 *)
   echo "usage: $0 prepare|stage1|stage2|tp1|tp2"; exit 2 ;;
