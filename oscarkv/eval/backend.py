@@ -96,7 +96,8 @@ class HFBackend:
         base, calib = self.split(method)
         m = methods.get(base)
         spec = calib.spec if calib is not None else None
-        return {"method": method, "bits": float(m.bits_per_element(model.config, spec)),
+        bits = methods.nominal_bits(m, model.config, calib) if m.per_layer else m.bits_per_element(model.config, spec)
+        return {"method": method, "bits": float(bits),
                 "description": m.description, "calibration": self.calibration_tag(method),
                 "calibration_provenance": getattr(calib, "provenance", None)}
 

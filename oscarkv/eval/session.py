@@ -30,6 +30,9 @@ def calibration_tag(calibration: Any) -> str:
         t = getattr(calibration, name, None)
         if t is not None:
             h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    formats = getattr(calibration, "layer_formats", None)
+    if formats is not None:  # oscar-auto's per-layer formats (absent: the tag is unchanged)
+        h.update(json.dumps(formats, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
