@@ -183,10 +183,12 @@ def bench_channel_decode(batch: int, ctx: int) -> dict:
         q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx, key_layout=layout)
         nbytes = decode_bytes(batch, n2, min(ctx, W16), layout)
         row[f"bytes_{layout}"] = nbytes
-        tri = lambda *a, **k: decode_attention_triton(*a, **k)  # noqa: E731
-        codes = lambda *a, **k: decode_attention_triton(*a, kfold="codes", **k)  # noqa: E731
-        impls = [("triton", tri), ("cuda", decode_attention_cuda)] if layout == "token" else \
-            [("triton", tri), ("tritoncodes", codes)]
+        def variant(**kw):
+            return lambda *a, **k: decode_attention_triton(*a, **kw, **k)
+
+        impls = [("triton", variant()), ("cuda", decode_attention_cuda)] if layout == "token" else \
+            [("triton", variant()), ("tritondequant", variant(kfold="dequant")),
+             ("tritonnocap", variant(maxnreg=0)), ("tritondequantnocap", variant(kfold="dequant", maxnreg=0))]
         for name, fn_ in impls:
             plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
             fn = lambda: fn_(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa: E731
@@ -198,11 +200,12 @@ def bench_channel_decode(batch: int, ctx: int) -> dict:
         del q, kp, vp, bt, k16, v16
         torch.cuda.empty_cache()
     ch = row["triton_channel"].get("ms")
-    cc = row["tritoncodes_channel"].get("ms")
+    best = [v["ms"] for k, v in row.items() if k.endswith("_channel") and isinstance(v, dict) and "ms" in v]
+    row["best_channel_ms"] = min(best) if best else None
     for ref in ("triton_token", "cuda_token"):
         t = row[ref].get("ms")
         row[f"channel_over_{ref}"] = ch / t if ch and t else None
-        row[f"channel_codes_over_{ref}"] = cc / t if cc and t else None
+        row[f"best_channel_over_{ref}"] = min(best) / t if best and t else None
     return row
 
 
@@ -317,19 +320,20 @@ def markdown(res: dict) -> str:
         lines.append(f"\nextend prefix {e['prefix']} chunk {e['chunk']}: " + json.dumps(e))
     if res.get("channel"):
         lines += ["", "Decode with keys in channel pages (Triton) vs token pages (Triton, CUDA C++); ratio = channel "
-                  "time / token time (issue 9 target <= 1.10).", "",
-                  "Channel: scale folded into the query (default, `kfold='query'`) or into the code tiles "
-                  "(`kfold='codes'`).", "",
-                  "| context | batch | channel ms | TB/s | channel codes-fold ms | token Triton ms "
-                  "| ratio (query/codes) | token CUDA ms | ratio (query/codes) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+                  "time / token time (issue 9 target <= 1.10). Channel variants: default (scale folded into the query, "
+                  "168-register cap), `dequant` (float16 dequantized key tiles), `nocap` (no register cap).", "",
+                  "| context | batch | channel ms | dequant ms | nocap ms | dequant nocap ms | TB/s (default) "
+                  "| token Triton ms | ratio default / best | token CUDA ms | ratio default / best |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        f = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
         for r in res["channel"]:
-            c, cc, t, u = r["triton_channel"], r["tritoncodes_channel"], r["triton_token"], r["cuda_token"]
-            lines.append(f"| {r['context']} | {r['batch']} | {fmt(c.get('ms'))} | {fmt(c.get('TBps'))} | "
-                         f"{fmt(cc.get('ms'))} | {fmt(t.get('ms'))} | {fmt(r['channel_over_triton_token'])} / "
-                         f"{fmt(r['channel_codes_over_triton_token'])} | {fmt(u.get('ms'))} | "
-                         f"{fmt(r['channel_over_cuda_token'])} / {fmt(r['channel_codes_over_cuda_token'])} |")
+            ms = [r[k].get("ms") for k in ("triton_channel", "tritondequant_channel", "tritonnocap_channel",
+                                            "tritondequantnocap_channel")]
+            lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(f(m) for m in ms) +
+                         f" | {f(r['triton_channel'].get('TBps'))} | {f(r['triton_token'].get('ms'))} | "
+                         f"{f(r['channel_over_triton_token'])} / {f(r['best_channel_over_triton_token'])} | "
+                         f"{f(r['cuda_token'].get('ms'))} | {f(r['channel_over_cuda_token'])} / "
+                         f"{f(r['best_channel_over_cuda_token'])} |")
     for e in res.get("channel_write_extend", []):
         lines.append("\nchannel pages, write and extend: " + json.dumps(e))
     return "\n".join(lines)

@@ -109,29 +109,35 @@ def _pv(p, c, MMA: tl.constexpr):
 
 @triton.jit
 def _channel_scores(x0, x1, x2, x3, q0, q1, q2, q3, r0, r1, r2, r3, ks_ptr, ko_ptr, kmeta, c, k0, k1, k2, k3,
-                    DQ: tl.constexpr, MMA: tl.constexpr, QSPLIT: tl.constexpr, FOLD_CODES: tl.constexpr):
-    """Logits over one channel page: ``q . k^_t = sum_c (q_c s_c) code_tc + sum_c q_c o_c``. The page's
-    per-channel scale is folded into the (float32, log2-domain) query fields ``x_j`` ``[GP, DQ]`` (one
-    d-vector multiply per page), or with ``FOLD_CODES`` into the float16 code tiles ``k_j`` ``[PS, DQ]`` (the
-    loop-invariant float16 query ``q_j`` (+ ``r_j``) then stays in its MMA operand layout)."""
-    ks0 = tl.load(ks_ptr + kmeta + c).to(tl.float32)
-    ks1 = tl.load(ks_ptr + kmeta + DQ + c).to(tl.float32)
-    ks2 = tl.load(ks_ptr + kmeta + 2 * DQ + c).to(tl.float32)
-    ks3 = tl.load(ks_ptr + kmeta + 3 * DQ + c).to(tl.float32)
-    ko0 = tl.load(ko_ptr + kmeta + c).to(tl.float32)
-    ko1 = tl.load(ko_ptr + kmeta + DQ + c).to(tl.float32)
-    ko2 = tl.load(ko_ptr + kmeta + 2 * DQ + c).to(tl.float32)
-    ko3 = tl.load(ko_ptr + kmeta + 3 * DQ + c).to(tl.float32)
-    off = tl.sum(x0 * ko0[None, :] + x1 * ko1[None, :] + x2 * ko2[None, :] + x3 * ko3[None, :], axis=1)
-    if MMA and FOLD_CODES:  # float16 code * scale: rounding 2^-11 relative, like the query's
-        c0 = k0 * ks0.to(tl.float16)[None, :]
-        c1 = k1 * ks1.to(tl.float16)[None, :]
-        c2 = k2 * ks2.to(tl.float16)[None, :]
-        c3 = k3 * ks3.to(tl.float16)[None, :]
+                    DQ: tl.constexpr, MMA: tl.constexpr, QSPLIT: tl.constexpr, FOLD: tl.constexpr):
+    """Logits over one channel page, ``q . k^_t = sum_c (q_c s_c) code_tc + sum_c q_c o_c``, by ``FOLD``:
+
+    1 ("query"): the page's scale is folded into the float32 log2-domain query fields ``x_j`` ``[GP, DQ]`` (one
+    d-vector multiply per page), the offset enters as one dot ``x . o`` per head;
+    2 ("dequant", tensor cores only): the code tiles ``k_j`` ``[PS, DQ]`` become the dequantized keys
+    ``o + code * s`` in float16 (relative rounding 2^-11, like the float16 query's), against the loop-invariant
+    float16 query ``q_j`` (+ ``r_j``); no offset term, no per-page query work.
+    """
+    ks0 = tl.load(ks_ptr + kmeta + c)
+    ks1 = tl.load(ks_ptr + kmeta + DQ + c)
+    ks2 = tl.load(ks_ptr + kmeta + 2 * DQ + c)
+    ks3 = tl.load(ks_ptr + kmeta + 3 * DQ + c)
+    ko0 = tl.load(ko_ptr + kmeta + c)
+    ko1 = tl.load(ko_ptr + kmeta + DQ + c)
+    ko2 = tl.load(ko_ptr + kmeta + 2 * DQ + c)
+    ko3 = tl.load(ko_ptr + kmeta + 3 * DQ + c)
+    if MMA and FOLD == 2:
+        c0 = k0 * ks0.to(tl.float16)[None, :] + ko0.to(tl.float16)[None, :]
+        c1 = k1 * ks1.to(tl.float16)[None, :] + ko1.to(tl.float16)[None, :]
+        c2 = k2 * ks2.to(tl.float16)[None, :] + ko2.to(tl.float16)[None, :]
+        c3 = k3 * ks3.to(tl.float16)[None, :] + ko3.to(tl.float16)[None, :]
         s = _scores(q0, q1, q2, q3, c0, c1, c2, c3, MMA)
         if QSPLIT:
             s += _scores(r0, r1, r2, r3, c0, c1, c2, c3, MMA)
     else:
+        ks0, ks1, ks2, ks3 = ks0.to(tl.float32), ks1.to(tl.float32), ks2.to(tl.float32), ks3.to(tl.float32)
+        ko0, ko1, ko2, ko3 = ko0.to(tl.float32), ko1.to(tl.float32), ko2.to(tl.float32), ko3.to(tl.float32)
+        off = tl.sum(x0 * ko0[None, :] + x1 * ko1[None, :] + x2 * ko2[None, :] + x3 * ko3[None, :], axis=1)
         y0, y1, y2, y3 = x0 * ks0[None, :], x1 * ks1[None, :], x2 * ks2[None, :], x3 * ks3[None, :]
         if MMA:  # float16 operands, like the token path's query (rounding 2^-11 relative)
             h0, h1, h2, h3 = y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16)
@@ -142,7 +148,8 @@ def _channel_scores(x0, x1, x2, x3, q0, q1, q2, q3, r0, r1, r2, r3, ks_ptr, ko_p
                              k0, k1, k2, k3, MMA)
         else:
             s = _scores(y0, y1, y2, y3, k0, k1, k2, k3, MMA)
-    return s + off[:, None]
+        s += off[:, None]
+    return s
 
 
 @triton.jit
@@ -153,7 +160,7 @@ def _decode_2bit(
     MMA: tl.constexpr, ASM: tl.constexpr, QSPLIT: tl.constexpr, KCH: tl.constexpr,
 ):
     """Partial softmax of the G query heads of KV head ``h`` over 2-bit tokens ``[tok_lo, tok_hi)``.
-    ``KCH``: 0 = token-page keys; 1 (scale folded into the query) or 2 (into the codes) = keys in channel pages
+    ``KCH``: 0 = token-page keys; 1 (scale folded into the query) or 2 (tiles dequantized) = keys in channel pages
     (meta strides ``s_kmp``/``s_kmh``, one ``[d]`` scale/offset per page). Values: token pages (``s_mp``/``s_mh``)."""
     DQ: tl.constexpr = D // 4
     RB: tl.constexpr = D // 4
@@ -197,7 +204,7 @@ def _decode_2bit(
         k0, k1, k2, k3 = _fields4(kc, ASM)
         if KCH > 0:  # a channel page holding a live token is written whole: its metadata is valid
             s = _channel_scores(x0, x1, x2, x3, q0, q1, q2, q3, r0, r1, r2, r3, ks_ptr, ko_ptr,
-                                page * s_kmp + h * s_kmh, c, k0, k1, k2, k3, DQ, MMA, QSPLIT, KCH == 2)
+                                page * s_kmp + h * s_kmh, c, k0, k1, k2, k3, DQ, MMA, QSPLIT, KCH)
         else:
             ks = tl.load(ks_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
             ko = tl.load(ko_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
@@ -376,6 +383,7 @@ def decode_attention_triton(
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     plan: DecodePlan | None = None, out: Tensor | None = None, mma: bool | None = None,
     num_warps: int | None = None, num_stages: int = 2, qsplit: bool = False, kfold: str = "query",
+    maxnreg: int | None = None,
 ) -> Tensor:
     """Decode attention; see :func:`oscarkv.kernels.reference.decode_attention_ref` for the semantics.
 
@@ -385,11 +393,14 @@ def decode_attention_triton(
 
     Keys may be in channel pages (``k_pages.fmt.layout == "channel"``): per page the scale is folded into the
     query (one ``d``-vector multiply) and the offset enters as one dot ``q . o``; every page holding a live
-    2-bit token must have been written whole (as the write path enforces). ``kfold="codes"`` folds the scale
-    into the float16 code tiles instead (tensor-core path only; same accuracy, a speed variant).
+    2-bit token must have been written whole (as the write path enforces). ``kfold="dequant"`` turns the code
+    tiles into float16 dequantized keys instead (tensor-core path only; keys must fit float16, a speed variant).
+    ``maxnreg``: register cap per thread (0 = none); by default 168 for channel pages on the tensor-core path at
+    d = 128 with 4 warps, where ptxas would take 174-221 (2 CTAs per SM instead of the token path's 3 at 168)
+    and 168 fits without spills (sm_90, cuobjdump).
     """
-    if kfold not in ("query", "codes"):
-        raise ValueError(f"kfold must be 'query' or 'codes', got {kfold!r}")
+    if kfold not in ("query", "dequant"):
+        raise ValueError(f"kfold must be 'query' or 'dequant', got {kfold!r}")
     B, hq, d = q.shape
     fmt = k_pages.fmt
     if plan is None:
@@ -405,9 +416,12 @@ def decode_attention_triton(
         out = torch.empty(B, hq, d, dtype=q.dtype, device=q.device)
     o, lse = plan.o_part, plan.lse_part
     asm = not interpreting()
-    kch = (2 if kfold == "codes" else 1) if fmt.channel else 0
-    grid = (plan.num_splits, B * fmt.num_kv_heads)
+    kch = (2 if kfold == "dequant" else 1) if fmt.channel else 0
     nw = num_warps or (4 if mma else 8)
+    if maxnreg is None:
+        maxnreg = 168 if kch and mma and nw == 4 and d == 128 else 0
+    cap = {"maxnreg": maxnreg} if maxnreg else {}
+    grid = (plan.num_splits, B * fmt.num_kv_heads)
     _decode_split_kernel[grid](
         q, q.stride(0), q.stride(1), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes,
         v_pages.scale, v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1),
@@ -416,7 +430,7 @@ def decode_attention_triton(
         lse.stride(1), fmt.num_kv_heads, float(d**-0.5 if sm_scale is None else sm_scale),
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split,
         G=g, GP=gp, GP16=max(16, next_pow2(g)), D=d, DP=next_pow2(d), PS=fmt.page_size, BLOCK_N=plan.block_n,
-        BLOCK_16=32, MMA=mma, ASM=asm, QSPLIT=qsplit, KCH=kch, num_warps=nw, num_stages=num_stages,
+        BLOCK_16=32, MMA=mma, ASM=asm, QSPLIT=qsplit, KCH=kch, num_warps=nw, num_stages=num_stages, **cap,
     )
     _merge_kernel[(B * hq,)](
         o, lse, out, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0),

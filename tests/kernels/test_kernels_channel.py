@@ -176,7 +176,7 @@ def test_channel_decode_matches_float64_reference(case):
     plan = DecodePlan(B, hkv * g, hkv, d, ps, args[2].shape[1], c16, device=DEVICE).update(B)
     ref = decode_attention_ref(q, *args, dtype=torch.float64)
     assert rel_err(decode_attention_triton(q, *args, plan=plan), ref) < 6e-3
-    for mma, kfold in ((True, "query"), (True, "codes"), (False, "query")):
+    for mma, kfold in ((True, "query"), (True, "dequant"), (False, "query")):
         out32 = torch.full((B, hkv * g, d), float("nan"), device=DEVICE)
         decode_attention_triton(q, *args, plan=plan, out=out32, mma=mma, kfold=kfold)
         assert rel_err(out32, ref) < 1e-3
