@@ -216,8 +216,9 @@ def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, 
     budget = calib.spec.bit_budget if budget is None else budget
     budget = "kivi" if budget is None else budget
     formats, record = select_formats([acc.held_out for acc in recorder.layers], calib, budget, progress)
-    record["held_out"] = {"tokens": sum(int(c.numel()) for c in hold_chunks), "chunks": data_prov.get("chunks", [])[
-        -len(hold_chunks):]}
+    names = data_prov.get("chunks")
+    record["held_out"] = {"tokens": sum(int(c.numel()) for c in hold_chunks),
+                          "chunks": names[-len(hold_chunks):] if isinstance(names, list) else len(hold_chunks)}
     prov = {**p, "format_selection": record}
     return dataclasses.replace(calib, spec=calib.spec.replace(bit_budget=budget), layer_formats=formats,
                                provenance=prov)

@@ -114,3 +114,20 @@ def test_calibrate_with_bit_budget_selects_and_oscar_auto_resolves(tmp_path):
     assert [recipe.layer_format(i)[2] for i in range(2)] == [calib.formats(i)[0].layout for i in range(2)]
     calib.save(tmp_path / "c")
     assert Calibration.load(tmp_path / "c").spec.bit_budget == 5.0
+
+
+def test_select_from_existing_artifact_keeps_tensors():
+    from calib_helpers import VOCAB, tiny_model
+
+    from oscarkv.calib import calibrate, select_from
+
+    model = tiny_model("llama", layers=2)
+    chunks = [torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    spec = QuantSpec(sink=4, window=16, page_size=16, clip_grid=(1.0, 0.9))
+    base = calibrate(model, None, chunks, spec=spec, tokens=288, holdout=0.34, progress=False)
+    assert base.layer_formats is None
+    auto = select_from(model, None, base, chunks, budget=4.5, progress=False)
+    assert auto.spec.bit_budget == 4.5 and auto.spec.replace(bit_budget=None) == base.spec
+    assert len(auto.layer_formats) == 2 and auto.provenance["format_selection"]["held_out"]["tokens"] == base.provenance["holdout_tokens"]
+    for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
+        assert torch.equal(getattr(auto, name), getattr(base, name))
