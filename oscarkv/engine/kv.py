@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.layout import PageFormat, QuantPages
+from ..kernels.reference import quantize_write_ref
 from ..quant import quantize
 
 
@@ -34,7 +35,11 @@ def quantized_len(n: int, sink: int, window: int, page: int) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """``kind`` "bf16" or "oscar"; tier sizes and 2-bit format for "oscar" (from the calibration's spec)."""
+    """``kind`` "bf16" or "oscar"; tier sizes and 2-bit format for "oscar" (from the calibration's spec).
+
+    ``layer_formats``: ``None`` (every layer stores K and V in ``bits``-bit token pages) or one
+    ``(k_bits, v_bits, key_layout)`` per layer (``key_layout`` "token" or "channel": keys in channel pages), as
+    an ``oscar-auto`` calibration selects them (:meth:`oscarkv.methods.Recipe.layer_format`)."""
 
     kind: str = "oscar"
     page_size: int = 64
@@ -43,12 +48,34 @@ class CacheConfig:
     bits: int = 2
     group_size: int | None = None
     meta_dtype: str = "float16"
+    layer_formats: tuple[tuple[int, int, str], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("bf16", "oscar"):
             raise ValueError(f"kv must be 'bf16' or 'oscar', got {self.kind!r}")
         if self.page_size < 1 or self.window % self.page_size:
             raise ValueError(f"window {self.window} must be a multiple of page_size {self.page_size}")
+        for i, f in enumerate(self.layer_formats or ()):
+            if len(f) != 3 or f[0] not in (2, 4) or f[1] not in (2, 4) or f[2] not in ("token", "channel"):
+                raise ValueError(f"layer_formats[{i}] = {f!r}: expected (k_bits in 2/4, v_bits in 2/4, "
+                                 "key_layout 'token' or 'channel')")
+
+    def page_formats(self, num_layers: int, num_kv_heads: int, head_dim: int) -> list[tuple[PageFormat, PageFormat]]:
+        """``(K format, V format)`` of every layer."""
+        if self.layer_formats is not None and len(self.layer_formats) != num_layers:
+            raise ValueError(f"layer_formats has {len(self.layer_formats)} entries for a {num_layers}-layer model")
+        fmts = self.layer_formats or [(self.bits, self.bits, "token")] * num_layers
+        out = []
+        for kb, vb, layout in fmts:
+            k_group = None if layout == "channel" else self.group_size
+            out.append((PageFormat(num_kv_heads, head_dim, self.page_size, kb, k_group, self.meta_dtype, layout),
+                        PageFormat(num_kv_heads, head_dim, self.page_size, vb, self.group_size, self.meta_dtype)))
+        return out
+
+    @property
+    def mixed(self) -> bool:
+        """True when layers differ in format or keys use channel pages (the pool then stores layer by layer)."""
+        return self.layer_formats is not None and any(f != (self.bits, self.bits, "token") for f in self.layer_formats)
 
     @property
     def c16(self) -> int:
@@ -158,17 +185,26 @@ class Bf16Pool(KVPool):
 class OscarPool(KVPool):
     """Per slot a 16-bit buffer ``[2, L, slots, Hkv, C16 + 1, d]`` (sink then recent, in position order; the last
     column is scratch for padded decode rows) and 2-bit pages
-    ``[L, num_pages, Hkv, P, ...]`` viewed per layer as :class:`QuantPages`. Holds the calibration tensors."""
+    ``[L, num_pages, Hkv, P, ...]`` viewed per layer as :class:`QuantPages`. Holds the calibration tensors.
+
+    With per-layer formats (``cfg.mixed``) each layer's K and V pages are separate tensors of that layer's
+    :class:`PageFormat` (page ids are shared: a page id holds the same tokens in every layer)."""
 
     def __init__(self, *args, r_k: Tensor, mu_k: Tensor, k_clip: Tensor, v_clip: Tensor, **kw):
         super().__init__(*args, **kw)
         c, L = self.cfg, self.L
-        self.fmt = PageFormat(self.H, self.d, c.page_size, c.bits, c.group_size, c.meta_dtype)
-        q = QuantPages.allocate(self.fmt, self.alloc.num_pages * 2 * L, self.device)
-        shape = lambda t: t.view(2, L, self.alloc.num_pages, *t.shape[1:])  # noqa: E731
-        self.codes, self.scale, self.offset = shape(q.codes), shape(q.scale), shape(q.offset)
-        self.pages = [[QuantPages(self.codes[i, l], self.scale[i, l], self.offset[i, l], self.fmt) for l in range(L)]
-                      for i in range(2)]
+        self.formats = c.page_formats(L, self.H, self.d)
+        self.fmt = self.formats[0][1]
+        if c.mixed:
+            self.codes = self.scale = self.offset = None
+            self.pages = [[QuantPages.allocate(self.formats[l][i], self.alloc.num_pages, self.device)
+                           for l in range(L)] for i in range(2)]
+        else:
+            q = QuantPages.allocate(self.fmt, self.alloc.num_pages * 2 * L, self.device)
+            shape = lambda t: t.view(2, L, self.alloc.num_pages, *t.shape[1:])  # noqa: E731
+            self.codes, self.scale, self.offset = shape(q.codes), shape(q.scale), shape(q.offset)
+            self.pages = [[QuantPages(self.codes[i, l], self.scale[i, l], self.offset[i, l], self.fmt)
+                           for l in range(L)] for i in range(2)]
         self.buf = torch.zeros(2, L, self.max_slots + 1, self.H, c.c16 + 1, self.d, dtype=self.dtype, device=self.device)
         self.r_k = r_k.to(self.device, torch.float32)  # [L, Hkv, d, d]
         self.mu_k = mu_k.to(self.device, torch.float32)  # [L, Hkv, d]
@@ -179,18 +215,23 @@ class OscarPool(KVPool):
 
     @staticmethod
     def page_bytes(cfg: CacheConfig, L: int, H: int, d: int, dtype: torch.dtype) -> int:
-        fmt = PageFormat(H, d, cfg.page_size, cfg.bits, cfg.group_size, cfg.meta_dtype)
-        return 2 * L * cfg.page_size * fmt.bytes_per_token
+        return int(sum(fk.bytes_per_token + fv.bytes_per_token for fk, fv in cfg.page_formats(L, H, d))
+                   * cfg.page_size)
 
     @staticmethod
     def slot_bytes(cfg: CacheConfig, L: int, H: int, d: int, dtype: torch.dtype) -> int:
         return 2 * L * H * (cfg.c16 + 1) * d * torch.empty((), dtype=dtype).element_size()
 
+    def _paged_tensors(self) -> list[Tensor]:
+        if self.codes is not None:
+            return [self.codes, self.scale, self.offset]
+        return [t for side in self.pages for p in side for t in (p.codes, p.scale, p.offset)]
+
     def tensors(self) -> list[Tensor]:
-        return [self.codes, self.scale, self.offset, self.buf]
+        return [*self._paged_tensors(), self.buf]
 
     def bytes_per_token_paged(self) -> float:
-        paged = sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+        paged = sum(t.numel() * t.element_size() for t in self._paged_tensors())
         return paged / (self.alloc.num_pages * self.cfg.page_size)
 
     def used_bytes(self) -> int:
@@ -222,6 +263,9 @@ class OscarPool(KVPool):
         """Quantize rows ``x`` ``[L, npages, Hkv, P, d]`` (rotated) of K (``which=0``) or V (1) into ``pages``
         (int64 ``[npages]``) for ``layers`` at once, with each layer's clip ratio. Bit-identical to
         :func:`oscarkv.quant.quantize` per layer with that layer's ``clip_ratio``."""
+        if self.codes is None:
+            self._quantize_layers(x, which, pages, layers)
+            return
         xf = x.float()
         d = xf.shape[-1]
         ratio = self.clip[which][layers]
@@ -237,6 +281,17 @@ class OscarPool(KVPool):
         self.offset[which][layers, pages] = q.offset
         if self.monitor is not None:
             self.monitor(which, layers, xf, xc, q)
+
+    def _quantize_layers(self, x: Tensor, which: int, pages: Tensor, layers: slice) -> None:
+        """Per-layer formats: each layer through the reference writer of its own format (token rows with the
+        layer's clip, or whole channel pages); the quantization monitor is not fed on this path."""
+        P = self.cfg.page_size
+        slots = (pages.view(-1, 1) * P + torch.arange(P, device=pages.device)).reshape(-1)
+        for j, layer in enumerate(range(self.L)[layers]):
+            qp = self.pages[which][layer]
+            rows = x[j].transpose(1, 2).reshape(-1, self.H, self.d)  # [npages * P, Hkv, d] in slot order
+            clip = 0.0 if qp.fmt.channel else float(self.clip[which, layer])
+            quantize_write_ref(qp, rows, slots, clip_ratio=clip)
 
     def demote(self, slots: list[int], new_pages: list[list[int]]) -> None:
         """Demote whole pages from the front of each slot's recent window into ``new_pages[i]`` (already

@@ -66,6 +66,45 @@ def _calibration(calib: Calibration | str | Path | None, cfg: ModelConfig) -> Ca
     return calib
 
 
+ENGINE_METHODS = ("oscar", "oscar-auto", "oscar-hadamard", "oscar-noclip")
+
+
+def _oscar_cache(net: Transformer, calib: Calibration, method: str | None, quiet: bool = False) -> tuple[CacheConfig, dict]:
+    """Cache geometry and pool tensors of an OSCAR ``method`` (resolved by :func:`oscarkv.methods.resolve`, the
+    same recipe as the transformers cache); folds the value rotation and mean into ``net`` in place."""
+    import warnings  # noqa: PLC0415
+
+    from .. import methods  # noqa: PLC0415
+
+    method = method or ("oscar-auto" if calib.layer_formats else "oscar")
+    base = method[: -len(methods.NOCENTER)] if method.endswith(methods.NOCENTER) else method
+    if base not in ENGINE_METHODS:
+        raise ValueError(f"the engine's OSCAR cache serves the methods {list(ENGINE_METHODS)} (and their -nocenter "
+                         f"variants), got {method!r}; evaluate other baselines with `oscarkv eval`")
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        recipe = methods.resolve(method, calib)
+    spec: QuantSpec = calib.spec
+    c = net.cfg
+    L, H, d = c.num_layers, c.num_kv_heads, c.head_dim
+    eye, zero = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
+    centering = spec.centering and recipe.method.centering
+
+    def stack(name: str, default: torch.Tensor) -> torch.Tensor:
+        vals = [getattr(lr, name) for lr in recipe.layers]
+        return torch.stack([default if v is None or (name.startswith("mu") and not centering) else v.float()
+                            for v in vals])
+
+    r_k, r_v, mu_k, mu_v = stack("r_k", eye), stack("r_v", eye), stack("mu_k", zero), stack("mu_v", zero)
+    fold_value_rotation(net, r_v, mu_v)
+    formats = None if recipe.uniform else tuple(recipe.layer_format(i) for i in range(L))
+    cache = CacheConfig("oscar", recipe.page_size, recipe.sink, recipe.window, recipe.bits, recipe.group_size,
+                        recipe.meta_dtype, layer_formats=formats)
+    clips = torch.tensor([[lr.k_clip for lr in recipe.layers], [lr.v_clip for lr in recipe.layers]])
+    return cache, dict(r_k=r_k, mu_k=mu_k, k_clip=clips[0], v_clip=clips[1])
+
+
 class LLM:
     """Batched paged inference with a BF16 or OSCAR (2-bit) KV cache.
 
@@ -77,6 +116,8 @@ class LLM:
         kv: "oscar" or "bf16".
         kv_budget_gb: bytes of the KV pool (all layers; 16-bit windows included), in GiB.
         max_num_seqs: concurrent sequences (slots); max_model_len: longest sequence (default: the model's).
+        method: the OSCAR method the cache stores (:mod:`oscarkv.methods`): default "oscar-auto" when the
+            calibration selected per-layer formats (``layer_formats``), else "oscar".
         window_dtype: dtype of OSCAR's 16-bit tiers (default: the model's if 16-bit, else bfloat16, as in
             :mod:`oscarkv.hf`). The "bf16" cache stores the model's dtype (float32 models on CPU keep float32,
             so outputs equal transformers' exactly).
@@ -86,7 +127,8 @@ class LLM:
                  kv_budget_gb: float = 1.0, *, tokenizer: Any = None, max_num_seqs: int = 16,
                  max_model_len: int | None = None, prefill_chunk: int = 2048, dtype: torch.dtype | None = None,
                  device: str | None = None, cuda_graphs: bool = True, monitor_every: int = 4,
-                 eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None):
+                 eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None,
+                 method: str | None = None):
         if kv not in ("oscar", "bf16"):
             raise ValueError(f"kv must be 'oscar' or 'bf16', got {kv!r}")
         net, tok, eos = _load_model(model, dtype, device)
@@ -98,16 +140,7 @@ class LLM:
         self.monitor: QuantMonitor | None = None
         if kv == "oscar":
             calib = _calibration(calibration, cfg)
-            spec: QuantSpec = calib.spec
-            cache = CacheConfig("oscar", spec.page_size, spec.sink, spec.window, spec.bits, spec.group_size,
-                                spec.meta_dtype)
-            L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-            r_k = calib.r_k if calib.per_head else calib.r_k.unsqueeze(1).expand(L, H, d, d)
-            r_v = calib.r_v if calib.per_head else calib.r_v.unsqueeze(1).expand(L, H, d, d)
-            zero = torch.zeros(L, H, d)
-            mu_k, mu_v = (calib.mu_k, calib.mu_v) if spec.centering else (zero, zero)
-            fold_value_rotation(net, r_v, mu_v)
-            calib_tensors = dict(r_k=r_k, mu_k=mu_k, k_clip=calib.k_clip, v_clip=calib.v_clip)
+            cache, calib_tensors = _oscar_cache(net, calib, method, quiet=calibration is None)
             self.calibration = calib
         else:
             cache, self.calibration = CacheConfig("bf16", page_size=64), None
