@@ -155,6 +155,11 @@ class LLM:
             self.pool.n_q_heads = cfg.num_heads
         if isinstance(self.pool, OscarPool) and monitor_every > 0:
             self.monitor = self.pool.monitor = QuantMonitor(cfg.num_layers, monitor_every)
+        fmts = self.pool.cfg.layer_formats or ()
+        if cuda_graphs and p.device.type == "cuda" and any(4 in f[:2] for f in fmts):
+            # 4-bit pages decode through the PyTorch reference (no Triton/CUDA 4-bit decode yet): not capturable
+            log.warning("the calibration selects 4-bit layers, whose decode runs the reference op: CUDA graphs off")
+            cuda_graphs = False
         eos = tuple(eos_token_ids) if eos_token_ids is not None else eos
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
