@@ -15,10 +15,9 @@ oscar-hadamard       Hadamard instead of the calibrated rotation, windows, fixed
                      K 0.96 / V 0.92
 oscar-noclip         oscar without clipping                                                   2 + 32/G
 oscar-gram           oscar; requires a calibration with target "gram" (K^T K / V^T V)          2 + 32/G
-oscar-auto           oscar's tiers, with the per-layer K and V formats the calibration selected  per layer (mean
-                     under a bit budget (``layer_formats``: rotation, token rows or channel     <= the budget,
-                     pages for keys, 2 or 4 bits, fitted clip; ``oscarkv calibrate             KIVI-2's by
-                     --bit-budget``)                                                           default)
+oscar-auto           oscar's tiers; per-layer K and V formats selected by calibration under  mean of the
+                     a bit budget (layer_formats: rotation, token rows or per-page channel   layers' formats
+                     groups for keys, 2 or 4 bits, fitted clip; calibrate --bit-budget)      (<= budget)
 naive-int2           per-(token, head) INT2, no rotation, no clip, no windows                 2 + 32/d
 quarot-int2          Hadamard + per-token INT2, no clip, no windows                           2 + 32/d
 kivi-2               keys per channel in groups of 32 tokens, values per token, no clip,      K 3, V 2 + 32/d
@@ -30,7 +29,8 @@ int4-hadamard        Hadamard + per-token INT4, no clip, no windows             
 come from :meth:`oscarkv.hf.OscarCache.nbytes`.
 
 Every name also exists with the suffix ``-nocenter`` (no mean subtraction; centering is on by default as
-method section 2.8 says). Methods other than ``oscar-auto`` ignore a calibration's ``layer_formats``. The oscar family takes bits, group size, metadata dtype, sink, window and page size
+method section 2.8 says). Methods other than ``oscar-auto`` ignore a calibration's ``layer_formats``.
+The oscar family takes bits, group size, metadata dtype, sink, window and page size
 from the calibration's :class:`~oscarkv.config.QuantSpec`; the baselines use their published settings.
 """
 

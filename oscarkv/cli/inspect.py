@@ -100,8 +100,9 @@ def format_lines(calib: Any) -> list[str]:
 
     sel = calib.provenance.get("format_selection", {})
     budget = sel.get("budget", calib.spec.bit_budget)
-    lines = ["", f"per-layer formats (method oscar-auto): {nominal_bits('oscar-auto', calib.model.head_dim, calib):.3f} "
-             f"bits/element in the quantized tier, budget {budget}",
+    bits = nominal_bits("oscar-auto", calib.model.head_dim, calib)
+    lines = ["", f"per-layer formats (method oscar-auto): {bits:.3f} bits/element in the quantized tier, "
+             f"budget {budget}",
              "layer  key format                   pred. K err  value format                 pred. V err"]
     for r in rows:
         ke = "-" if r["k_error"] is None else f"{r['k_error']:.4f}"

@@ -128,6 +128,7 @@ def test_select_from_existing_artifact_keeps_tensors():
     assert base.layer_formats is None
     auto = select_from(model, None, base, chunks, budget=4.5, progress=False)
     assert auto.spec.bit_budget == 4.5 and auto.spec.replace(bit_budget=None) == base.spec
-    assert len(auto.layer_formats) == 2 and auto.provenance["format_selection"]["held_out"]["tokens"] == base.provenance["holdout_tokens"]
+    assert len(auto.layer_formats) == 2
+    assert auto.provenance["format_selection"]["held_out"]["tokens"] == base.provenance["holdout_tokens"]
     for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
         assert torch.equal(getattr(auto, name), getattr(base, name))
