@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.layout import PageFormat, QuantPages, slot_mapping
-from ..kernels.reference import quantize_write_ref
+from ..kernels.reference import dequantize_pages_ref, quantize_write_ref
 from ..quant import QuantizedRows, dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 
@@ -25,7 +25,9 @@ def _tensor_bytes(*ts: Tensor) -> int:
 
 
 class TokenPool:
-    """Per-token quantized rows in pages of ``fmt.page_size`` tokens, addressed by a block table.
+    """Per-token quantized rows in pages of ``fmt.page_size`` tokens, addressed by a block table; or, with
+    ``fmt.layout == "channel"`` (keys of oscar-auto), the same pages holding one scale and offset per channel per
+    page (``quantize_per_channel`` on the page's rows; written in whole pages, never clipped).
 
     ``block_table`` int32 ``[B, max_pages]`` and ``qlen`` int32 ``[B]`` follow the kernels' layout, so the decode
     kernels can read this pool directly. Pages come from a free list; the pool grows geometrically.
@@ -83,14 +85,21 @@ class TokenPool:
             return torch.zeros(fmt.num_kv_heads, 0, fmt.head_dim, device=self.qlen.device)
         p0, p1 = start // fmt.page_size, math.ceil(end / fmt.page_size)
         ids = torch.tensor(self._owned[b][p0:p1], dtype=torch.long, device=self.qlen.device)
-        rows = QuantizedRows(packed=self.pages.codes[ids], scale=self.pages.scale[ids],
-                             offset=self.pages.offset[ids], bits=fmt.bits, group_size=fmt.group, dim=fmt.head_dim)
-        x = dequantize(rows).permute(1, 0, 2, 3).reshape(fmt.num_kv_heads, -1, fmt.head_dim)
+        x = dequantize_pages_ref(self.pages, ids).permute(1, 0, 2, 3).reshape(fmt.num_kv_heads, -1, fmt.head_dim)
         off = start - p0 * fmt.page_size
         return x[:, off: off + end - start]
 
     def roundtrip(self, rows: Tensor) -> Tensor:
-        """What :meth:`write` then :meth:`read` give for ``rows`` ``[Hkv, D, d]``, without storing them."""
+        """What :meth:`write` then :meth:`read` give for ``rows`` ``[Hkv, D, d]`` (whole pages for the channel
+        layout), without storing them."""
+        if self.fmt.channel:
+            H, D, d = rows.shape
+            ps = self.fmt.page_size
+            if D % ps:
+                raise ValueError(f"channel pages are written whole: {D} rows is not a multiple of {ps}")
+            pages = rows.float().reshape(H, D // ps, ps, d).transpose(0, 1)
+            q = quantize_per_channel(pages, bits=self.fmt.bits, group_size=ps, meta_dtype=self.fmt.meta_dtype)
+            return dequantize_per_channel(q).transpose(0, 1).reshape(H, D, d)
         q = quantize(rows.float(), bits=self.fmt.bits, group_size=self.fmt.group_size, clip_ratio=self.clip,
                      meta_dtype=self.fmt.meta_dtype, check_finite=False)
         return dequantize(q)

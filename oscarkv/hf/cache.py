@@ -163,11 +163,13 @@ class OscarLayer(CacheLayerMixin):
 
     def _kernels_apply(self, query: Tensor, valid: Tensor | None, softcap: float | None) -> bool:
         """Use ``oscarkv.kernels.dispatch.extend_attention``: on CUDA (or when a backend is forced), for
-        per-token 2-bit pools, no soft-capping and a chunk without padding."""
+        paged pools of one geometry (keys in token or channel pages), no soft-capping and a chunk without
+        padding (the dispatcher itself falls back to the reference for formats its kernels do not handle)."""
         st = self.store
         if self.kernel_backend is None and not query.is_cuda:
             return False
-        return (isinstance(st.k_pool, TokenPool) and st.k_pool.fmt == st.v_pool.fmt and softcap is None
+        return (isinstance(st.k_pool, TokenPool) and isinstance(st.v_pool, TokenPool)
+                and st.k_pool.fmt.same_geometry(st.v_pool.fmt) and softcap is None
                 and (valid is None or bool(valid.all())) and st.k_pool._owned == st.v_pool._owned)
 
     def _attend_kernels(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:

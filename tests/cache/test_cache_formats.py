@@ -63,10 +63,13 @@ def test_mixed_store_equals_single_format_store(layer):
 def test_layer_pools_follow_formats():
     r = methods.resolve("oscar-auto", _calib(MIXED))
     s0, s1, s2 = (build_store(r, i, 1, H, D, torch.bfloat16, "cpu") for i in range(3))
-    assert isinstance(s0.k_pool, ChannelPool) and s0.k_pool.group == 16 and s0.k_pool.bits == 2
-    assert isinstance(s0.v_pool, TokenPool) and s0.v_pool.fmt.bits == 4
-    assert isinstance(s1.k_pool, TokenPool) and s1.k_pool.clip == 0.94 and s1.v_pool.clip == 0.9
-    assert isinstance(s2.k_pool, ChannelPool) and s2.k_pool.bits == 4 and s2.v_pool.fmt.bits == 2
+    k0 = s0.k_pool.fmt
+    assert isinstance(s0.k_pool, TokenPool) and k0.channel and k0.page_size == 16 and k0.bits == 2
+    assert isinstance(s0.v_pool, TokenPool) and not s0.v_pool.fmt.channel and s0.v_pool.fmt.bits == 4
+    assert s1.k_pool.clip == 0.94 and s1.v_pool.clip == 0.9 and not s1.k_pool.fmt.channel
+    assert s2.k_pool.fmt.channel and s2.k_pool.fmt.bits == 4 and s2.v_pool.fmt.bits == 2
+    kivi = build_store(methods.resolve("kivi-2", _calib(MIXED)), 0, 1, H, D, torch.bfloat16, "cpu")
+    assert isinstance(kivi.k_pool, ChannelPool) and kivi.k_pool.group == 32
 
 
 def test_channel_pages_equal_per_channel_quantizer_on_each_page():
@@ -77,6 +80,7 @@ def test_channel_pages_equal_per_channel_quantizer_on_each_page():
     _fill(store, k, v, steps=(60,))
     got = store.tiers(0)["k_quantized"]  # tokens 4..51: 3 pages of 16
     assert got.shape[1] == 48
+    torch.testing.assert_close(store.k_pool.roundtrip(k[:, 4:52]), got, atol=0, rtol=0)
     for p in range(3):
         page = k[:, 4 + 16 * p: 4 + 16 * (p + 1)]  # rows arrive centered and rotated (here: as given)
         want = dequantize_per_channel(quantize_per_channel(page, bits=2, group_size=16))

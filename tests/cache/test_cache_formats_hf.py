@@ -86,3 +86,19 @@ def test_auto_with_oscar_formats_equals_oscar():
         with ohf.simulate(model, calib, method, window_dtype=torch.float32):
             outs.append(model(ids, use_cache=False).logits)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_channel_pages_through_the_kernel_dispatcher_equal_the_cpu_path():
+    model = _model()
+    same_bits = [{"k": {"layout": "channel", "bits": 2, "rotation": "none"},
+                  "v": {"layout": "token", "bits": 2, "rotation": "calibrated", "clip": 0.9}}] + MIXED[1:]
+    calib = _calib(model, same_bits)
+    ids = torch.randint(0, VOCAB, (1, 29), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for backend in (None, "reference"):
+        with ohf.apply(model, calib, "oscar-auto", window_dtype=torch.float32) as h:
+            cache = h.cache(kernel_backend=backend)
+            outs.append(_decode(model, ids, cache))
+            layer0 = cache.layers[0]
+            assert layer0.store.k_pool.fmt.channel and layer0._kernels_apply(ids, None, None) == (backend is not None)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=0)
