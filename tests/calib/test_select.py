@@ -132,3 +132,22 @@ def test_select_from_existing_artifact_keeps_tensors():
     assert auto.provenance["format_selection"]["held_out"]["tokens"] == base.provenance["holdout_tokens"]
     for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
         assert torch.equal(getattr(auto, name), getattr(base, name))
+
+
+def test_bit_budget_spec_key_and_cli_flag():
+    import argparse
+
+    from oscarkv.cli.calibrate import _budget, add_arguments
+    from oscarkv.config import ConfigError
+
+    assert "bit_budget" not in QuantSpec().to_dict()  # unset: artifacts and their hashes as before the key
+    assert QuantSpec.from_dict({"bit_budget": 2.75}).bit_budget == 2.75
+    assert QuantSpec.from_dict({"bit_budget": "kivi"}).to_dict()["bit_budget"] == "kivi"
+    with pytest.raises(ConfigError, match="bit_budget"):
+        QuantSpec(bit_budget="lots")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--bit-budget", "2.6"]).bit_budget == 2.6
+    assert p.parse_args(["--bit-budget", "kivi"]).bit_budget == "kivi"
+    with pytest.raises(argparse.ArgumentTypeError):
+        _budget("-1")
