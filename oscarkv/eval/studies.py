@@ -46,10 +46,11 @@ def _evaluate(s: Session, labels: dict[str, object], method: str, contexts: Sequ
     names = [f"{method}@{label}" for label in labels]
     for c in contexts:
         run_lm(s, [s.reference, *names], c, windows)
+    keys = {f"w{i}" for i in range(windows)}  # only the windows this study evaluated (others may be on file)
     recs = []
     for name in [s.reference, *names]:
         for c in contexts:
-            recs += [r for r in s.store.records_for(s.model_name, s.text.name, name, LM_TASK, c)]
+            recs += [r for r in s.store.records_for(s.model_name, s.text.name, name, LM_TASK, c) if r.get("key") in keys]
     return aggregate(recs)
 
 
