@@ -128,11 +128,6 @@ def load_calibration(opts: OscarOptions, model: ServedModel):
         calib = Calibration.load(opts.calibration, model=model.identity())
     except ArtifactError as e:
         raise OscarVllmError(f"OSCAR calibration {opts.calibration!r} cannot serve this model: {e}") from e
-    if calib.layer_formats is not None and any(f for f in calib.layer_formats):
-        raise OscarVllmError(
-            "the artifact selects per-layer formats (layer_formats); the vLLM backend serves one format for "
-            "all layers. Calibrate without per-layer format selection."
-        )
     return calib
 
 
@@ -142,9 +137,15 @@ def resolve_recipe(opts: OscarOptions, calib):
     from ...config import ConfigError
 
     try:
-        return methods.resolve(opts.method, calib)
+        recipe = methods.resolve(opts.method, calib)
     except ConfigError as e:
         raise OscarVllmError(f"oscar.method {opts.method!r} cannot use this calibration: {e}") from e
+    if not recipe.uniform:  # e.g. oscar-auto: vLLM allocates one page size for every layer
+        raise OscarVllmError(
+            f"oscar.method {opts.method!r} stores per-layer formats (layer_formats); the vLLM backend serves one "
+            "format for every layer: use method 'oscar' (it ignores layer_formats), or serve per-layer formats "
+            "with oscarkv.LLM / `oscarkv serve`")
+    return recipe
 
 
 @dataclass(frozen=True)

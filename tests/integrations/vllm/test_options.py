@@ -93,3 +93,16 @@ def test_identity_calibration_when_none_is_given():
     calib = load_calibration(OscarOptions(method="bf16"), LLAMA)
     assert calib.model == LLAMA.identity() and torch.equal(calib.r_k[0], torch.eye(64))
     assert isinstance(calib.model, ModelIdentity)
+
+
+def test_per_layer_formats_are_refused_only_for_per_layer_methods(tmp_path):
+    calib = Calibration.identity(LLAMA.identity())
+    calib.layer_formats = [{"k": {"layout": "channel", "bits": 4, "rotation": "none"},
+                            "v": {"layout": "token", "bits": 2}},
+                           {"k": {"layout": "token", "bits": 2}, "v": {"layout": "token", "bits": 2}}]
+    path = str(calib.save(tmp_path / "auto"))
+    opts = OscarOptions(calibration=path)
+    loaded = load_calibration(opts, LLAMA)  # plain oscar serves it, ignoring the per-layer formats
+    assert resolve_recipe(opts, loaded).uniform
+    with pytest.raises(OscarVllmError, match="per-layer formats.*one format"):
+        resolve_recipe(OscarOptions(calibration=path, method="oscar-auto"), loaded)
