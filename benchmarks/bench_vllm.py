@@ -30,10 +30,6 @@ def make_model(root: Path) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from oscarkv.artifact import Calibration, ModelIdentity
-    from oscarkv.config import QuantSpec
-    from oscarkv.rotation import random_orthogonal
-
     model_dir, calib_dir = root / "qwen3-random", root / "qwen3-random-calib"
     cfg = Qwen3Config(**QWEN3, architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(0)
@@ -41,16 +37,27 @@ def make_model(root: Path) -> tuple[Path, Path]:
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     del model
+    random_calibration(cfg).save(calib_dir)
+    return model_dir, calib_dir
+
+
+def random_calibration(cfg, seed: int = 0):
+    """A calibration for a random model: orthogonal rotations per layer, small means, clip 0.96 / 0.92."""
+    import torch
+
+    from oscarkv.artifact import Calibration, ModelIdentity
+    from oscarkv.config import QuantSpec
+    from oscarkv.rotation import random_orthogonal
+
     ident = ModelIdentity.from_config(cfg)
     calib = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     L, H, d = ident.num_layers, ident.num_kv_heads, ident.head_dim
     calib.r_k = torch.stack([random_orthogonal(d, g) for _ in range(L)])
     calib.r_v = torch.stack([random_orthogonal(d, g) for _ in range(L)])
     calib.mu_k, calib.mu_v = torch.randn(L, H, d, generator=g) * 0.05, torch.randn(L, H, d, generator=g) * 0.05
     calib.k_clip, calib.v_clip = torch.full((L,), 0.96), torch.full((L,), 0.92)
-    calib.save(calib_dir)
-    return model_dir, calib_dir
+    return calib
 
 
 def child(spec: dict) -> None:

@@ -44,9 +44,7 @@ def make_model(root: Path, peak: float = 1.0) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from oscarkv.artifact import Calibration, ModelIdentity
-    from oscarkv.config import QuantSpec
-    from oscarkv.rotation import random_orthogonal
+    from bench_vllm import random_calibration  # this folder is on sys.path when run as a script
 
     model_dir, calib_dir = root / f"qwen3-8b-random-gain{peak:g}", root / "qwen3-8b-random-calib"
     cfg = Qwen3Config(**QWEN3_8B, architectures=["Qwen3ForCausalLM"])
@@ -64,15 +62,7 @@ def make_model(root: Path, peak: float = 1.0) -> tuple[Path, Path]:
         del model
         torch.cuda.empty_cache()
     if not (calib_dir / "oscar.json").exists():
-        ident = ModelIdentity.from_config(cfg)
-        calib = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92))
-        g = torch.Generator().manual_seed(0)
-        L, H, d = ident.num_layers, ident.num_kv_heads, ident.head_dim
-        calib.r_k = torch.stack([random_orthogonal(d, g) for _ in range(L)])
-        calib.r_v = torch.stack([random_orthogonal(d, g) for _ in range(L)])
-        calib.mu_k, calib.mu_v = torch.randn(L, H, d, generator=g) * 0.05, torch.randn(L, H, d, generator=g) * 0.05
-        calib.k_clip, calib.v_clip = torch.full((L,), 0.96), torch.full((L,), 0.92)
-        calib.save(calib_dir)
+        random_calibration(cfg).save(calib_dir)
     return model_dir, calib_dir
 
 
