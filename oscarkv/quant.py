@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -76,6 +77,19 @@ def clip_rows(x: Tensor, ratio: float) -> Tensor:
         return x
     tau = torch.kthvalue(x.abs(), idx + 1, dim=-1, keepdim=True).values
     return torch.minimum(torch.maximum(x, -tau), tau)
+
+
+def clip_rows_grid(x: Tensor, ratios: Sequence[float]) -> Iterator[Tensor]:
+    """:func:`clip_rows` of ``x`` for each ratio in ``ratios``, with one sort of ``|x|`` serving them all
+    (clip fitting and format selection try a grid of ratios on the same rows)."""
+    sorted_abs = x.abs().sort(dim=-1).values
+    for ratio in ratios:
+        idx = clip_index(ratio, x.shape[-1])
+        if idx is None:
+            yield x
+            continue
+        tau = sorted_abs[..., idx: idx + 1]
+        yield torch.minimum(torch.maximum(x, -tau), tau)
 
 
 def _check_rows(x: Tensor, bits: int, group_size: int | None) -> int:
@@ -235,6 +249,7 @@ __all__ = [
     "unpack",
     "clip_rows",
     "clip_index",
+    "clip_rows_grid",
     "quantize_lloyd_max",
     "quantize_per_channel",
     "dequantize_per_channel",

@@ -167,3 +167,15 @@ def test_lloyd_max_beats_uniform_on_gaussian():
 def test_nbytes_physical():
     q = quantize(torch.randn(10, 128))
     assert q.nbytes() == 10 * 32 + 10 * 2 * 2  # codes + fp16 scale + fp16 offset
+
+
+def test_clip_rows_grid_equals_clip_rows_per_ratio():
+    from oscarkv.quant import clip_rows, clip_rows_grid
+
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    grid = [0.0, 0.5, 0.8, 0.96, 1.0]
+    out = list(clip_rows_grid(x, grid))
+    assert len(out) == len(grid)
+    for ratio, y in zip(grid, out):
+        assert torch.equal(y, clip_rows(x, ratio))
+    assert not torch.equal(out[2], x)  # 0.8 really clips

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..config import QuantSpec
-from ..quant import clip_index, dequantize, quantize, quantize_lloyd_max
+from ..quant import clip_rows_grid, dequantize, quantize, quantize_lloyd_max
 from ..rotation import compose, sorted_eigh
 from .stats import CalibrationStats, HeldOut, causal_mask
 
@@ -51,13 +51,7 @@ def _roundtrips(x: Tensor, r: Tensor, mu: Tensor, grid: Sequence[float], spec: Q
     """For each clip ratio: ``x [H, T, d]`` -> stored form ``(x - mu) @ R`` -> clipped as
     :func:`oscarkv.quant.clip_rows` does (one sort serves every ratio) -> fake-quantized -> model basis."""
     stored = (x - mu.unsqueeze(1)) @ r
-    sorted_abs = stored.abs().sort(dim=-1).values
-    for ratio in grid:
-        idx = clip_index(ratio, stored.shape[-1])
-        clipped = stored
-        if idx is not None:
-            tau = sorted_abs[..., idx : idx + 1]
-            clipped = torch.minimum(torch.maximum(stored, -tau), tau)
+    for ratio, clipped in zip(grid, clip_rows_grid(stored, grid)):
         yield _fake_quant(clipped, ratio, spec) @ r.transpose(-1, -2) + mu.unsqueeze(1)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..artifact import Calibration, TensorFormat
 from ..cache.tiers import TierPolicy
 from ..config import QuantSpec
-from ..quant import clip_index, dequantize, dequantize_per_channel, quantize, quantize_per_channel
+from ..quant import clip_rows_grid, dequantize, dequantize_per_channel, quantize, quantize_per_channel
 from ..rotation import hadamard
 from .fit import fit_windows
 from .stats import HeldOut, causal_mask
@@ -82,13 +82,7 @@ def roundtrips(x: Tensor, fmt: TensorFormat, r: Tensor | None, mu: Tensor, spec:
         q = quantize_per_channel(pages, bits=fmt.bits, group_size=page, meta_dtype=meta)
         outs.append(dequantize_per_channel(q).transpose(0, 1).reshape(H, n, d))
     else:
-        sorted_abs = stored.abs().sort(dim=-1).values
-        for ratio in clips:
-            idx = clip_index(ratio, stored.shape[-1])
-            y = stored
-            if idx is not None:
-                tau = sorted_abs[..., idx: idx + 1]
-                y = torch.minimum(torch.maximum(stored, -tau), tau)
+        for y in clip_rows_grid(stored, clips):
             q = quantize(y, bits=fmt.bits, group_size=spec.group_for(y.shape[-1]), clip_ratio=0.0, meta_dtype=meta,
                          check_finite=False)
             outs.append(dequantize(q, torch.float32))
