@@ -150,6 +150,9 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
             elif name in ("cudafused", "cudasplit"):
                 fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
                                                    fused=name == "cudafused")
+            elif name == "cudamk":  # the separate merge kernel instead of the fused last-CTA merge
+                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
+                                                   merge="kernel")
             else:  # triton, triton:nw
                 nw = int(opt) if opt.isdigit() else 4
                 plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)

@@ -124,7 +124,9 @@ def _struct(name: str, fields: list[tuple[str, object]]):
 _P_FIELDS = ([(n, ctypes.c_uint64) for n in "q kc vc ks ko vs vo bt qlen k16 v16 len16 o_part lse_part".split()]
              + [(n, ctypes.c_int64) for n in ("sq_b sq_h s_cp s_ch s_mp s_mh s_bt s16_b s16_h s16_t so_b so_h so_s "
                                                "sl_b sl_h hkv tok_per_split num_qsplits tok16_per_split").split()]
-             + [("sm_scale_log2", ctypes.c_double), ("magic", ctypes.c_int64)])
+             + [("sm_scale_log2", ctypes.c_double), ("magic", ctypes.c_int64)]
+             + [(n, ctypes.c_uint64) for n in ("counters", "out")]
+             + [(n, ctypes.c_int64) for n in ("merge_splits", "sout_b", "sout_h", "out_dtype")])
 _Params = _struct("_Params", _P_FIELDS)
 _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
     (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
@@ -150,17 +152,25 @@ def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
         raise ValueError("k16/v16 rows must be 16-byte aligned (strides multiple of 8 elements)")
     if fmt.row_bytes * fmt.page_size % 16 or k_pages.codes.stride(1) % 16 or k_pages.codes.stride(0) % 16:
         raise ValueError("code pages must be 16-byte aligned")
+    pair = 2 * k_pages.scale.element_size()  # metadata of two adjacent rows is read as one load
+    for t in (k_pages.scale, k_pages.offset, v_pages.scale, v_pages.offset):
+        if t.data_ptr() % pair or t.stride(0) % 2 or t.stride(1) % 2:
+            raise ValueError(f"scale/offset pages must be {pair}-byte aligned with even page and head strides")
 
 
 def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None,
+    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "fused",
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
     groups go to the Triton kernel). ``fused``: both tiers in one launch, else one launch per tier (default:
-    fused for at most 64 (sequence, KV head) pairs, where the extra launch costs more than the registers)."""
+    fused for at most 64 (sequence, KV head) pairs, where the extra launch costs more than the registers).
+    ``merge``: ``"fused"`` (the last split of each (sequence, KV head) to finish combines the partials, through
+    the plan's ticket counters: no second launch) or ``"kernel"`` (a separate merge kernel)."""
+    if merge not in ("fused", "kernel"):
+        raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads
@@ -193,6 +203,8 @@ def decode_attention_cuda(
         k_pages.scale.stride(1), block_table.stride(0), k16.stride(0), k16.stride(1), k16.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), fmt.num_kv_heads,
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split, scale, 0x64006400,
+        plan.counters.data_ptr(), out.data_ptr(), plan.num_splits if merge == "fused" else 0, out.stride(0),
+        out.stride(1), _DT[out.dtype],
     )
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -203,6 +215,8 @@ def decode_attention_cuda(
         key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part)
         split_fn, _ = _functions(key, dev)
         _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream)
+    if merge == "fused":
+        return out
     _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0]), dev)
     mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                       lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])

@@ -90,6 +90,9 @@ class DecodePlan:
         rows = max(b * (self._splits_for(b, cap)[1] + self.num_splits16) for b in range(1, self.max_batch + 1))
         self._o_flat = torch.empty(rows * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device)
         self._lse_flat = torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=self.device)
+        # one ticket counter per (sequence, KV head) for kernels that merge their splits in the last CTA to
+        # finish (the CUDA decode kernel); zero between calls, reset by that CTA
+        self.counters = torch.zeros(self.max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
         self.update(self.max_batch)
 
     @property

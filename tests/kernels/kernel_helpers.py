@@ -27,14 +27,14 @@ def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
 
 
 def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.float16, device=DEVICE,
-                k_clip=0.96, v_clip=0.92, extra_pages=3, key_layout="token"):
+                k_clip=0.96, v_clip=0.92, extra_pages=3, key_layout="token", meta_dtype=torch.float16):
     """Random rotated-basis cache: 2-bit pages of ``lens[b]`` tokens (shuffled page ids, poisoned spare pages),
     16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q.
 
     ``key_layout="channel"``: keys in channel pages, written whole (a last page past ``lens[b]`` holds random
     tokens beyond the sequence end, which attention must mask), no key clipping."""
-    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size)
-    kfmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, layout=key_layout)
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, meta_dtype=meta_dtype)
+    kfmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, layout=key_layout, meta_dtype=meta_dtype)
     maxp = max(1, max(math.ceil(n / page_size) for n in lens))
     total = sum(math.ceil(n / page_size) for n in lens) + extra_pages
     kp, vp = poisoned_pages(kfmt, total, device), poisoned_pages(fmt, total, device)

@@ -60,6 +60,10 @@ struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is 
   int64_t so_b, so_h, so_s, sl_b, sl_h, hkv, tok_per_split, num_qsplits, tok16_per_split;
   double sm_scale_log2;
   int64_t magic;  // 0x64006400 (float16 1024.0 twice), passed at run time so it stays in a register
+  // fused merge (merge_splits > 0): the last CTA of each (sequence, KV head) to finish merges its splits into
+  // out, found through a per-(sequence, KV head) ticket counter that it resets to 0 for the next launch
+  uint64_t counters, out;
+  int64_t merge_splits, sout_b, sout_h, out_dtype;  // out_dtype: 0 f32, 1 f16, 2 bf16
 };
 
 #if MT_ == 1
@@ -155,27 +159,57 @@ __device__ __forceinline__ float warp_sum8(float x) {
 }
 
 // Loads of one 16-token chunk for the 2-bit path (register prefetch of the next chunk).
+// Token order inside a 16-token chunk: mma row i of S^T holds token 2i (i < 8) or 2(i - 8) + 1, so a thread's
+// two rows (gid, gid + 8) are the adjacent tokens 2gid, 2gid + 1 and each metadata pair is one 32-bit load.
+#if MT_ == 0
+typedef float2 meta2_t;
+__device__ __forceinline__ float meta_lo(meta2_t x) { return x.x; }
+__device__ __forceinline__ float meta_hi(meta2_t x) { return x.y; }
+#elif MT_ == 1
+typedef __half2 meta2_t;
+__device__ __forceinline__ float meta_lo(meta2_t x) { return __low2float(x); }
+__device__ __forceinline__ float meta_hi(meta2_t x) { return __high2float(x); }
+#else
+typedef __nv_bfloat162 meta2_t;
+__device__ __forceinline__ float meta_lo(meta2_t x) { return __low2float(x); }
+__device__ __forceinline__ float meta_hi(meta2_t x) { return __high2float(x); }
+#endif
+
 struct Chunk2 {
-  uint32_t k[2][WPT > 0 ? WPT : 1];  // tokens gid, gid + 8: bytes [tig * BPT, +BPT)
-  uint32_t v[4][BPV >= 4 ? BPV / 4 : 1];  // tokens 2tig, 2tig+1, 2tig+8, 2tig+9: bytes [gid * BPV, +BPV)
-  float ks[2], ko[2], vs[2], vo[2];
+  uint32_t k[2][WPT > 0 ? WPT : 1];  // tokens 2gid, 2gid + 1: bytes [tig * BPT, +BPT)
+  uint32_t v[4][BPV >= 4 ? BPV / 4 : 1];  // tokens 4tig + {0, 2, 1, 3} (mma k = 2tig, 2tig+1, 2tig+8, 2tig+9)
+  meta2_t ks, ko, vs, vo;                 // tokens 2gid, 2gid + 1
 };
 
-// Per-thread base pointers of one (sequence, KV head), with the lane's fixed offsets folded in.
+// Per-thread offsets of one (sequence, KV head) from the pools' base pointers, the lane's fixed part folded in
+// (bytes for codes, elements for metadata); the base pointers themselves stay in the constant bank.
 struct Bases2 {
-  const uint8_t *k, *v;              // + lane offsets of its K rows / V rows
-  const meta_t *ks, *ko, *vs, *vo;   // + gid
-  int64_t s_cp, s_mp;
+  int64_t k, v, m;
 };
 
-__device__ __forceinline__ void load_chunk2(Chunk2& c, const Bases2& bs, int64_t page, int row0, int left, int gid,
-                                            int tig) {
-  const int64_t coff = page * bs.s_cp + (int64_t)row0 * RB, moff = page * bs.s_mp + row0;
-  const uint8_t* kb = bs.k + coff;
-  const uint8_t* vb = bs.v + coff;
+// Pointers of one physical page (lane offsets included): chunk CH of the page is at a compile-time offset, so a
+// chunk's loads need no address arithmetic of their own (docs/kernels.md: the loop was issue-bound on it).
+struct PagePtrs {
+  const uint8_t *k, *v;
+  const meta_t *ks, *ko, *vs, *vo;
+};
+
+__device__ __forceinline__ PagePtrs page_ptrs(const Params& p, const Bases2& bs, int32_t page) {
+  const int64_t co = (int64_t)page * p.s_cp, mo = bs.m + (int64_t)page * p.s_mp;
+  return {reinterpret_cast<const uint8_t*>(p.kc) + bs.k + co, reinterpret_cast<const uint8_t*>(p.vc) + bs.v + co,
+          reinterpret_cast<const meta_t*>(p.ks) + mo, reinterpret_cast<const meta_t*>(p.ko) + mo,
+          reinterpret_cast<const meta_t*>(p.vs) + mo, reinterpret_cast<const meta_t*>(p.vo) + mo};
+}
+
+// Unmasked loads of chunk CH (16 rows) of a page: rows past a sequence's end are still inside the page, so the
+// loads are in bounds; their (possibly NaN) metadata is masked where it is used (chunk_2bit).
+template <int CH>
+__device__ __forceinline__ void load_chunk_page(Chunk2& c, const PagePtrs& pp) {
+  const uint8_t* kb = pp.k + CH * 16 * RB;
+  const uint8_t* vb = pp.v + CH * 16 * RB;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const uint8_t* src = kb + 8 * r * RB;
+    const uint8_t* src = kb + r * RB;
     if constexpr (WPT == 1) c.k[r][0] = *reinterpret_cast<const uint32_t*>(src);
     if constexpr (WPT == 2) { uint2 w = *reinterpret_cast<const uint2*>(src); c.k[r][0] = w.x; c.k[r][1] = w.y; }
     if constexpr (WPT == 4) {
@@ -183,7 +217,7 @@ __device__ __forceinline__ void load_chunk2(Chunk2& c, const Bases2& bs, int64_t
       c.k[r][0] = w.x; c.k[r][1] = w.y; c.k[r][2] = w.z; c.k[r][3] = w.w;
     }
   }
-  constexpr int toks[4] = {0, 1, 8, 9};  // + 2 tig, folded into bs.v
+  constexpr int toks[4] = {0, 2, 1, 3};  // + 4 tig, folded into the page pointer
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint8_t* src = vb + toks[i] * RB;
@@ -191,14 +225,10 @@ __device__ __forceinline__ void load_chunk2(Chunk2& c, const Bases2& bs, int64_t
     if constexpr (BPV == 4) c.v[i][0] = *reinterpret_cast<const uint32_t*>(src);
     if constexpr (BPV == 8) { uint2 w = *reinterpret_cast<const uint2*>(src); c.v[i][0] = w.x; c.v[i][1] = w.y; }
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const bool ok = gid + 8 * r < left;  // rows past the sequence end may hold stale (even NaN) metadata
-    c.ks[r] = ok ? meta_f(bs.ks[moff + 8 * r]) : 0.f;
-    c.ko[r] = ok ? meta_f(bs.ko[moff + 8 * r]) : 0.f;
-    c.vs[r] = ok ? meta_f(bs.vs[moff + 8 * r]) : 0.f;
-    c.vo[r] = ok ? meta_f(bs.vo[moff + 8 * r]) : 0.f;
-  }
+  c.ks = *reinterpret_cast<const meta2_t*>(pp.ks + CH * 16);
+  c.ko = *reinterpret_cast<const meta2_t*>(pp.ko + CH * 16);
+  c.vs = *reinterpret_cast<const meta2_t*>(pp.vs + CH * 16);
+  c.vo = *reinterpret_cast<const meta2_t*>(pp.vo + CH * 16);
 }
 
 // Per-warp online-softmax state: heads 2tig, 2tig+1 of the C fragments; O^T rows (d) per m-tile.
@@ -245,6 +275,7 @@ struct Q2 {  // per-warp constants of the 2-bit path
   uint32_t magic;
 };
 
+template <bool MASKED>
 __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State& st, float (&osum)[2], int left,
                                            int gid) {
   // ---- S^T = K Q'^T (codes biased by 1024, field j scaled by 4^j: both folded into Q' and the bias)
@@ -260,16 +291,23 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = i >> 1, e = i & 1;
-    const float logit = cur.ks[r] * (s[i] - q.bias[e]) + cur.ko[r] * q.qsum[e];
-    s[i] = (gid + 8 * r) < left ? logit : -INFINITY;
+    s[i] = (r ? meta_hi(cur.ks) : meta_lo(cur.ks)) * (s[i] - q.bias[e]) +
+           (r ? meta_hi(cur.ko) : meta_lo(cur.ko)) * q.qsum[e];
+  }
+  float vs0 = meta_lo(cur.vs), vs1 = meta_hi(cur.vs), vo0 = meta_lo(cur.vo), vo1 = meta_hi(cur.vo);
+  if (MASKED) {  // a sequence's last page: rows past the end, metadata included, count 0
+    const bool ok0 = 2 * gid < left, ok1 = 2 * gid + 1 < left;
+    s[0] = ok0 ? s[0] : -INFINITY; s[1] = ok0 ? s[1] : -INFINITY;
+    s[2] = ok1 ? s[2] : -INFINITY; s[3] = ok1 ? s[3] : -INFINITY;
+    vs0 = ok0 ? vs0 : 0.f; vo0 = ok0 ? vo0 : 0.f; vs1 = ok1 ? vs1 : 0.f; vo1 = ok1 ? vo1 : 0.f;
   }
   float alpha[2];
   bool resc;
   softmax_update(st, s, resc, alpha);
-  osum[0] = osum[0] * alpha[0] + s[0] * cur.vo[0] + s[2] * cur.vo[1];
-  osum[1] = osum[1] * alpha[1] + s[1] * cur.vo[0] + s[3] * cur.vo[1];
+  osum[0] = osum[0] * alpha[0] + s[0] * vo0 + s[2] * vo1;
+  osum[1] = osum[1] * alpha[1] + s[1] * vo0 + s[3] * vo1;
   rescale_acc(st, alpha);
-  const float v0 = cur.vs[0] * q.iv, v1 = cur.vs[1] * q.iv;
+  const float v0 = vs0 * q.iv, v1 = vs1 * q.iv;
   const uint32_t pb0 = movtrans(pack_h2(s[0] * v0, s[1] * v0));
   const uint32_t pb1 = movtrans(pack_h2(s[2] * v1, s[3] * v1));
   // ---- O^T += V^T P'^T, V^T from the codes of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9), exact (4^j c)
@@ -288,6 +326,41 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
     }
     mma_f16(st.acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
   }
+}
+
+constexpr int CPP = PS / 16;  // 16-token chunks per page
+
+// Chunks CH.. of page pp (chunk CH in buf[(START + CH) % 2], already loaded); prefetches the following chunk (of
+// this page, or chunk 0 of the warp's next page) before the math of the current one.
+template <bool MASKED, int START, int CH>
+__device__ __forceinline__ void page_chunks(const Q2& q, Chunk2 (&buf)[2], State& st, float (&osum)[2],
+                                            const Params& p, const Bases2& bs, PagePtrs& pp, int page_next, bool has_next, int left,
+                                            int gid) {
+  constexpr int cur = (START + CH) & 1, nxt = cur ^ 1;
+  if constexpr (CH + 1 < CPP) {
+    load_chunk_page<CH + 1>(buf[nxt], pp);
+  } else {  // the next page's pointers only now, so that two pages' pointers are never live together
+    pp = page_ptrs(p, bs, page_next);
+    if (has_next) load_chunk_page<0>(buf[nxt], pp);
+  }
+  if (!MASKED || 16 * CH < left) chunk_2bit<MASKED>(q, buf[cur], st, osum, left - 16 * CH, gid);
+  if constexpr (CH + 1 < CPP)
+    page_chunks<MASKED, START, CH + 1>(q, buf, st, osum, p, bs, pp, page_next, has_next, left, gid);
+}
+
+// One page of a warp (its first chunk in buf[START]); advances pp/pg to the warp's next page, false when none.
+template <int START>
+__device__ __forceinline__ bool page_2bit(const Q2& q, Chunk2 (&buf)[2], State& st, float (&osum)[2],
+                                          const Params& p, const Bases2& bs, const int32_t* bt, PagePtrs& pp, int& pg, int p_end,
+                                          int hi, int gid) {
+  const int pg_next = pg + NW;
+  const bool has_next = pg_next < p_end;
+  const int page_next = has_next ? bt[pg_next] : 0;
+  const int left = hi - pg * PS;
+  if (left >= PS) page_chunks<false, START, 0>(q, buf, st, osum, p, bs, pp, page_next, has_next, left, gid);
+  else page_chunks<true, START, 0>(q, buf, st, osum, p, bs, pp, page_next, has_next, left, gid);
+  pg = pg_next;
+  return has_next;
 }
 
 __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vref, int b, int h, int lo, int hi,
@@ -324,34 +397,30 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
     q.qsum[e] = __shfl_sync(0xffffffffu, qsum_part, (2 * tig + e) * 4);
   }
   const int32_t* bt = reinterpret_cast<const int32_t*>(p.bt) + b * p.s_bt;
-  int t0 = lo + 16 * warp;
-  if (t0 >= hi) return;
+  // Pages of the split, page-interleaved over the warps (a split starts on a page boundary); a warp walks the
+  // CPP 16-token chunks of each of its pages with compile-time offsets, the next chunk's loads in flight.
+  const int p_end = (hi + PS - 1) / PS;
+  int pg = lo / PS + warp;
+  if (lo >= hi || pg >= p_end) return;
   Bases2 bs;
-  bs.k = reinterpret_cast<const uint8_t*>(p.kc) + h * p.s_ch + gid * RB + tig * BPT;
-  bs.v = reinterpret_cast<const uint8_t*>(p.vc) + h * p.s_ch + 2 * tig * RB + gid * BPV;
-  bs.ks = reinterpret_cast<const meta_t*>(p.ks) + h * p.s_mh + gid;
-  bs.ko = reinterpret_cast<const meta_t*>(p.ko) + h * p.s_mh + gid;
-  bs.vs = reinterpret_cast<const meta_t*>(p.vs) + h * p.s_mh + gid;
-  bs.vo = reinterpret_cast<const meta_t*>(p.vo) + h * p.s_mh + gid;
-  bs.s_cp = p.s_cp;
-  bs.s_mp = p.s_mp;
-  Chunk2 ca, cb;  // ping-pong register buffers: the next chunk's loads are in flight during this one's math
-  load_chunk2(ca, bs, bt[t0 / PS], t0 % PS, hi - t0, gid, tig);
-  {  // reference V scale: keeps p * s_v / v_ref inside float16's normal range
-    const float vm = warp_max8(fmaxf(ca.vs[0], ca.vs[1]));
+  bs.k = h * p.s_ch + 2 * gid * RB + tig * BPT;
+  bs.v = h * p.s_ch + 4 * tig * RB + gid * BPV;
+  bs.m = h * p.s_mh + 2 * gid;
+  Chunk2 buf[2];
+  PagePtrs pp = page_ptrs(p, bs, bt[pg]);
+  load_chunk_page<0>(buf[0], pp);
+  {  // reference V scale (valid rows of the first chunk): keeps p * s_v / v_ref inside float16's normal range
+    const int left = hi - pg * PS;
+    const float a = 2 * gid < left ? meta_lo(buf[0].vs) : 0.f, c = 2 * gid + 1 < left ? meta_hi(buf[0].vs) : 0.f;
+    const float vm = warp_max8(fmaxf(a, c));
     vref = (vm > 0.f && vm < 3.0e38f) ? vm : 1.f;
     q.iv = 1.f / vref;
   }
-  while (true) {
-    const int t1 = t0 + 16 * NW;
-    if (t1 < hi) load_chunk2(cb, bs, bt[t1 / PS], t1 % PS, hi - t1, gid, tig);
-    chunk_2bit(q, ca, st, osum, hi - t0, gid);
-    if (t1 >= hi) break;
-    const int t2 = t1 + 16 * NW;
-    if (t2 < hi) load_chunk2(ca, bs, bt[t2 / PS], t2 % PS, hi - t2, gid, tig);
-    chunk_2bit(q, cb, st, osum, hi - t1, gid);
-    if (t2 >= hi) break;
-    t0 = t2;
+  while (true) {  // CPP odd: a chunk's buffer alternates between pages, so pages go in pairs
+    if (!page_2bit<0>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
+    if constexpr (CPP % 2 == 1) {
+      if (!page_2bit<1>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
+    }
   }
 }
 
@@ -426,6 +495,62 @@ __device__ void run_16bit(const Params& p, State& st, int b, int h, int lo, int 
         a[2 * pr + 1] = __byte_perm(wa, wb, 0x7632);
       }
       mma16<BF>(st.acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max32(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// out[b, h*GQ + hh] = sum_s 2^(lse_s - lse) o_s over all splits of (b, h): one warp per query head, D/32
+// consecutive outputs per lane, 8 splits' loads in flight. Partials come from other CTAs: read through L2.
+__device__ void merge_cta(const Params& p, int b, int h, int warp, int lane) {
+  constexpr int DPL = D / 32;
+  const int S = (int)p.merge_splits;
+  for (int hh = warp; hh < GQ; hh += NW) {
+    const int64_t hq = h * GQ + hh;
+    const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
+    const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h + lane * DPL;
+    float mx = -INFINITY;
+    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(lse + s));
+    mx = warp_max32(mx);
+    float den = 0.f, acc[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) acc[k] = 0.f;
+    if (mx > -INFINITY) {
+      for (int s0 = 0; s0 < S; s0 += 8) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int s = s0 + i;
+          if (s < S) {
+            const float l = __ldcg(lse + s);
+            const float w = l > -INFINITY ? ex2(l - mx) : 0.f;
+            const float* src = o + (int64_t)s * p.so_s;
+            float v[DPL];
+            if constexpr (DPL == 2) { const float2 t = __ldcg(reinterpret_cast<const float2*>(src)); v[0] = t.x; v[1] = t.y; }
+#pragma unroll
+            for (int k = 0; k < (DPL >= 4 ? DPL / 4 : 0); ++k) {
+              const float4 t = __ldcg(reinterpret_cast<const float4*>(src) + k);
+              v[4 * k] = t.x; v[4 * k + 1] = t.y; v[4 * k + 2] = t.z; v[4 * k + 3] = t.w;
+            }
+            den += w;
+#pragma unroll
+            for (int k = 0; k < DPL; ++k) acc[k] += w * v[k];
+          }
+        }
+      }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    const int64_t off = b * p.sout_b + hq * p.sout_h + lane * DPL;
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) {
+      const float r = acc[k] * inv;
+      if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off + k] = r;
+      else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off + k] = __float2half_rn(r);
+      else reinterpret_cast<__nv_bfloat16*>(p.out)[off + k] = __float2bfloat16_rn(r);
     }
   }
 }
@@ -509,6 +634,21 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
     if (d == 0) {
       float* l = reinterpret_cast<float*>(p.lse_part) + b * p.sl_b + (int64_t)(h * GQ + hh) * p.sl_h;
       l[split] = den > 0.f ? mx + __log2f(den) : -INFINITY;
+    }
+  }
+  if (p.merge_splits > 0) {  // fused merge: the last CTA of this (sequence, KV head) combines all its splits
+    __shared__ int s_last;
+    __threadfence();  // this CTA's partials are visible device-wide before its ticket is taken
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int* cnt = reinterpret_cast<int*>(p.counters) + bh;
+      s_last = atomicAdd(cnt, 1) == (int)p.merge_splits - 1;
+      if (s_last) *cnt = 0;  // every other CTA has taken its ticket: ready for the next launch
+    }
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      merge_cta(p, b, h, warp, lane);
     }
   }
 }
