@@ -141,21 +141,20 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
     row = {"batch": batch, "context": ctx, "tokens_2bit": n2, "bytes": nbytes}
     out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     for impl in impls:
-        name, _, opt = impl.partition(":")
+        # "cuda[:N][:mk|:fm][:f|:s]": N programs per SM, separate merge kernel / fused last-CTA merge, both tiers
+        # in one launch / one per tier; "triton[:warps]"
+        name, *opts = impl.split(":")
+        ppsm = next((int(o) for o in opts if o.isdigit()), None)
+        kw = {"merge": "kernel"} if "mk" in opts else {"merge": "fused"} if "fm" in opts else {}
+        if "f" in opts or "s" in opts:
+            kw["fused"] = "f" in opts
         plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
-                          **({"programs_per_sm": int(opt)} if opt.isdigit() else {})).update(batch)
+                          **({"programs_per_sm": ppsm} if ppsm and name == "cuda" else {})).update(batch)
         try:
             if name == "cuda":
-                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa
-            elif name in ("cudafused", "cudasplit"):
-                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
-                                                   fused=name == "cudafused")
-            elif name == "cudamk":  # the separate merge kernel instead of the fused last-CTA merge
-                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out,  # noqa
-                                                   merge="kernel")
+                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out, **kw)  # noqa
             else:  # triton, triton:nw
-                nw = int(opt) if opt.isdigit() else 4
-                plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
+                nw = ppsm or 4
                 fn = lambda: decode_attention_triton(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan,  # noqa
                                                      out=out, num_warps=nw)
             ms = timeit(fn)

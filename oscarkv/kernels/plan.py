@@ -116,6 +116,8 @@ class DecodePlan:
         if ppsm is None:
             ppsm = 4 if units <= 8 and pages >= 1024 else 16
         want = max(1, math.ceil(ppsm * self.num_sms / units))
+        if want > 2 * self.num_splits16:  # many 2-bit splits: leave room for the 16-bit ones in the same wave
+            want -= self.num_splits16
         pps = max(math.ceil(pages / min(want, pages)), self.min_pages_per_split)
         step = max(1, bn // ps)  # a split covers whole kernel iterations
         pps = math.ceil(pps / step) * step

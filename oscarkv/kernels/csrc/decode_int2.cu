@@ -263,10 +263,11 @@ __device__ __forceinline__ int d_of_v2(int mt, int gid, int r) {
   constexpr int H = BPV / 2;  // m-tiles per field
   return gid * BPV + 2 * (mt % H) + r + RB * (mt / H);
 }
-// d index of QK column (k-step s, column 2tig + e + 8 hi) in the 2-bit path
+// d index of QK column (k-step s, column 2tig + e + 8 hi) in the 2-bit path: the A fragment's halves are bytes
+// (0, 2) and (1, 3) of a code word (the fields are masked in place, bytes 1 and 3 after one shift)
 __device__ __forceinline__ int d_of_k2(int s, int tig, int e, int hi) {
   constexpr int W = WPT;
-  return tig * BPT + 4 * (s % W) + 2 * hi + e + RB * (s / W);
+  return tig * BPT + 4 * (s % W) + 2 * e + hi + RB * (s / W);
 }
 
 struct Q2 {  // per-warp constants of the 2-bit path
@@ -283,8 +284,8 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
 #pragma unroll
   for (int s_ = 0; s_ < KS; ++s_) {
     const int j = s_ / WPT, wi = s_ % WPT;
-    const uint32_t lo0 = __byte_perm(cur.k[0][wi], 0, 0x4140), hi0 = __byte_perm(cur.k[0][wi], 0, 0x4342);
-    const uint32_t lo1 = __byte_perm(cur.k[1][wi], 0, 0x4140), hi1 = __byte_perm(cur.k[1][wi], 0, 0x4342);
+    const uint32_t lo0 = cur.k[0][wi], hi0 = cur.k[0][wi] >> 8;
+    const uint32_t lo1 = cur.k[1][wi], hi1 = cur.k[1][wi] >> 8;
     mma_f16(s, fieldj(lo0, j, q.magic), fieldj(lo1, j, q.magic), fieldj(hi0, j, q.magic), fieldj(hi1, j, q.magic),
             q.qb[s_][0], q.qb[s_][1]);
   }
