@@ -220,7 +220,7 @@ def decode_attention_cuda(
     _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0]), dev)
     mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                       lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])
-    _launch(merge_fn, (B * hq, 1), d, mp, stream)
+    _launch(merge_fn, (B * hq, 1), 128, mp, stream)  # MERGE_THREADS in the .cu
     return out
 
 

@@ -675,41 +675,64 @@ __device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) 
   return x;
 }
 
-// One CTA per (sequence, query head), D threads: out = sum_s 2^(lse_s - lse) o_s. The split weights are
-// computed in parallel into shared memory, then every thread sums its column with independent loads in flight.
-extern "C" __global__ void oscar_decode_merge(const MergeParams p) {
+constexpr int MERGE_THREADS = 128;
+
+// One CTA per (sequence, query head), MERGE_THREADS threads: out = sum_s 2^(lse_s - lse) o_s. The split weights
+// are computed in parallel into shared memory; then thread (g, sl) sums float4 column group g over the splits
+// sl, sl + NSL, ... (4 independent loads in flight), and the NSL split lanes are added through shared memory.
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) oscar_decode_merge(const MergeParams p) {
+  constexpr int G4 = D / 4, NSL = MERGE_THREADS / G4;
   __shared__ float w[MERGE_MAX_SPLITS];
   __shared__ float red[32];
-  const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, d = threadIdx.x;
+  __shared__ float4 part[MERGE_THREADS];
+  const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, t = threadIdx.x;
   const int S = (int)p.num_splits;
   const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
   const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
   float mx = -INFINITY;
-  for (int s = d; s < S; s += blockDim.x) {
+  for (int s = t; s < S; s += MERGE_THREADS) {
     w[s] = lse[s];
     mx = fmaxf(mx, w[s]);
   }
   mx = block_reduce(mx, true, red);
   float den = 0.f;
-  for (int s = d; s < S; s += blockDim.x) {
+  for (int s = t; s < S; s += MERGE_THREADS) {
     const float f = (mx > -INFINITY && w[s] > -INFINITY) ? ex2(w[s] - mx) : 0.f;
     w[s] = f;
     den += f;
   }
   den = block_reduce(den, false, red);
   __syncthreads();
-  float num[4] = {0.f, 0.f, 0.f, 0.f};
-  int s = 0;
-  for (; s + 4 <= S; s += 4) {
+  const int g = t % G4, sl = t / G4;
+  float4 acc[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (w[s + i] != 0.f) num[i] += w[s + i] * o[(int64_t)(s + i) * p.so_s + d];
+  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = sl; s0 < S; s0 += 4 * NSL) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int s = s0 + i * NSL;
+      if (s < S && w[s] != 0.f) {
+        const float4 v = reinterpret_cast<const float4*>(o + (int64_t)s * p.so_s)[g];
+        acc[i].x += w[s] * v.x; acc[i].y += w[s] * v.y; acc[i].z += w[s] * v.z; acc[i].w += w[s] * v.w;
+      }
+    }
   }
-  for (; s < S; ++s)
-    if (w[s] != 0.f) num[0] += w[s] * o[(int64_t)s * p.so_s + d];
-  const float r = den > 0.f ? (num[0] + num[1] + num[2] + num[3]) / den : 0.f;
-  const int64_t off = b * p.sout_b + hq * p.sout_h + d;
-  if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off] = r;
-  else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(r);
-  else reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(r);
+  part[t] = make_float4(acc[0].x + acc[1].x + acc[2].x + acc[3].x, acc[0].y + acc[1].y + acc[2].y + acc[3].y,
+                        acc[0].z + acc[1].z + acc[2].z + acc[3].z, acc[0].w + acc[1].w + acc[2].w + acc[3].w);
+  __syncthreads();
+  if (sl != 0) return;
+  float r[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < NSL; ++k) {
+    const float4 v = part[g + G4 * k];
+    r[0] += v.x; r[1] += v.y; r[2] += v.z; r[3] += v.w;
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  const int64_t off = b * p.sout_b + hq * p.sout_h + 4 * g;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off + k] = r[k] * inv;
+    else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off + k] = __float2half_rn(r[k] * inv);
+    else reinterpret_cast<__nv_bfloat16*>(p.out)[off + k] = __float2bfloat16_rn(r[k] * inv);
+  }
 }
