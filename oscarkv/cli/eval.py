@@ -63,8 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results", help="results folder (default results/)")
     p.add_argument("--ref-cache", help="folder for cached reference hidden states (default OUT/.ref; 'none' disables)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default float32 on CPU, "
-                   "bfloat16 on CUDA)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="model dtype on any device (default float32: the protocol of docs/evaluation.md, results "
+                   "comparable across devices; bfloat16 measures against a bfloat16 model, fingerprinted apart)")
+    p.add_argument("--kernels", choices=("auto", "reference"), default="auto",
+                   help="attention of the caches NIAH and greedy decode run through: auto (default; on CUDA the "
+                   "Triton kernel for 2-bit token pages) or reference (the PyTorch reference on any device)")
     p.add_argument("--study", choices=("calib-tokens", "shift"), help="a calibration study instead of --tasks")
     p.add_argument("--calib-tokens", type=_ints, default=[500, 2000, 8000, 32000],
                    help="calib-tokens study: token budgets (default 500,2000,8000,32000)")
@@ -134,8 +138,11 @@ def _build(args: argparse.Namespace):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    print(f"loading {args.model} ...", file=sys.stderr)
+    dtype = getattr(torch, args.dtype or "float32")
+    if "fp32" in plan.methods and dtype != torch.float32:
+        raise ValueError(f"the 'fp32' pseudo-method is the unmodified model in float32: drop it or use --dtype float32 "
+                         f"(not {args.dtype})")
+    print(f"loading {args.model} ({args.dtype or 'float32'} on {device}) ...", file=sys.stderr)
     model, tok = models.load(args.model, dtype=dtype)
     model.to(device)
     calib = Calibration.load(args.calibration, model=model) if args.calibration else None
@@ -152,9 +159,13 @@ def _build(args: argparse.Namespace):
     score_from = args.score_from if args.score_from is not None else (spec.sink + spec.window if spec else 320)
     out = Path(args.out)
     ref = None if args.ref_cache == "none" else Path(args.ref_cache or out / ".ref")
-    session = Session(model=model, tokenizer=tok, model_name=_model_name(args.model), backend=HFBackend(calib, extra),
+    backend = HFBackend(calib, extra, kernels=getattr(args, "kernels", "auto"))
+    session = Session(model=model, tokenizer=tok, model_name=_model_name(args.model), backend=backend,
                       store=ResultStore(out), text=load_eval_text(args.data), calibration=calib,
                       score_from=score_from, reference=args.reference, ref_dir=ref, progress=not args.quiet)
+    from oscarkv.eval.runner import numerics_info
+
+    print("numerics: " + ", ".join(f"{k} {v}" for k, v in numerics_info(session).items()), file=sys.stderr)
     return session, plan
 
 

@@ -14,10 +14,14 @@ The harness needs two things from a method, and nothing else:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import Tensor
+
+
+KERNELS = ("auto", "reference")
 
 
 class Backend(Protocol):
@@ -36,11 +40,20 @@ class HFBackend:
 
     ``calibration`` may be ``None`` for data-free methods only (bf16, naive-int2, quarot-int2, kivi-2,
     int4-hadamard); the adapter then passes an identity calibration.
+
+    ``kernels`` picks the attention of the caches that generation metrics decode through (teacher-forced
+    metrics never touch it): ``"auto"`` is :class:`oscarkv.hf.OscarCache`'s default (the chunked PyTorch attention
+    on CPU; on CUDA ``oscarkv.kernels.dispatch.extend_attention``, i.e. the Triton kernel for 2-bit token pages and
+    the PyTorch reference for other formats); ``"reference"`` forces the dispatcher's PyTorch reference for every
+    paged format, on any device.
     """
 
-    def __init__(self, calibration: Any = None, extra: dict[str, Any] | None = None):
+    def __init__(self, calibration: Any = None, extra: dict[str, Any] | None = None, kernels: str = "auto"):
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {list(KERNELS)}, got {kernels!r}")
         self.calibration = calibration
         self.extra = dict(extra or {})
+        self.kernels = kernels
         self._tags: dict[int, str] = {}
 
     def split(self, method: str) -> tuple[str, Any]:
@@ -83,7 +96,10 @@ class HFBackend:
         base, calib = self._resolve(model, method)
         handle = hf.apply(model, calib, base)
         try:
-            yield _cache_factory(handle)
+            factory = _cache_factory(handle)
+            if self.kernels != "auto":
+                factory = functools.partial(factory, kernel_backend=self.kernels)
+            yield factory
         finally:
             remove = getattr(handle, "remove", None) or getattr(handle, "restore", None)
             if callable(remove):
@@ -123,13 +139,20 @@ def decoder(model: Any) -> Any:
 
 
 def output_head(model: Any) -> Callable[[Tensor], Tensor]:
-    """``hidden [n, D] -> logits [n, V]`` as the model computes them (including final logit soft-capping)."""
+    """``hidden [n, D] -> logits [n, V]`` (float32) as the model computes them, final logit soft-capping included,
+    but always in float32: on a 16-bit model the head's weight is read once in float32 (bfloat16 logits are
+    spaced 0.125 apart at 16, noise that would swamp a KLD of 0.01), so every metric compares final hidden
+    states through one exact head. On a float32 model this is the model's own ``lm_head``."""
     lm_head = model.get_output_embeddings()
     cap = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "final_logit_softcapping", None)
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if weight.dtype != torch.float32:
+        weight = weight.detach().float()
+        bias = None if bias is None else bias.detach().float()
 
     @torch.inference_mode()
     def head(h: Tensor) -> Tensor:
-        logits = lm_head(h)
+        logits = torch.nn.functional.linear(h.to(weight.device, torch.float32), weight, bias)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
@@ -156,24 +179,37 @@ def greedy_generate(
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
     """Prefill ``prompt`` ``[T]`` into ``cache`` in chunks of ``chunk`` tokens (each chunk attends to the
-    earlier ones as stored), then decode greedily one token at a time through the cache."""
+    earlier ones as stored), then decode greedily one token at a time through the cache. The next token is the
+    argmax of :func:`output_head` (float32) on the body's last hidden state, the same head the teacher-forced
+    metrics use, so ``greedy`` in teacher and decode mode and NIAH pick tokens alike on any model dtype."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     dev = next(model.parameters()).device
     ids = prompt.view(1, -1).to(dev)
-    kw = _cache_kwarg(model)
+    step = _next_token_logits(model)
     logits = None
     for s in range(0, ids.shape[1], chunk):
-        logits = model(input_ids=ids[:, s : s + chunk], **{kw: cache}, use_cache=True, logits_to_keep=1).logits
+        logits = step(ids[:, s : s + chunk], cache)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        tok = int(logits[0, -1].argmax())
+        tok = int(logits.argmax())
         out.append(tok)
         if tok in stop_ids or len(out) == max_new_tokens:
             break
-        step = torch.tensor([[tok]], device=dev)
-        logits = model(input_ids=step, **{kw: cache}, use_cache=True, logits_to_keep=1).logits
+        logits = step(torch.tensor([[tok]], device=dev), cache)
     return out
+
+
+def _next_token_logits(model: Any) -> Callable[[Tensor, Any], Tensor]:
+    """``(ids [1, T], cache) -> logits [V]`` of the last position: the decoder body and :func:`output_head`
+    where the model has them, else the model's own logits (stand-ins without a body)."""
+    try:
+        body, head = decoder(model), output_head(model)
+    except (ValueError, AttributeError):
+        kw = _cache_kwarg(model)
+        return lambda ids, cache: model(input_ids=ids, **{kw: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
+    kw = _cache_kwarg(body)
+    return lambda ids, cache: head(body(input_ids=ids, **{kw: cache}, use_cache=True).last_hidden_state[0, -1:])[0]
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -187,4 +223,4 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-__all__ = ["Backend", "HFBackend", "decoder", "output_head", "final_hidden", "greedy_generate"]
+__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate"]

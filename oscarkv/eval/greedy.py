@@ -36,7 +36,7 @@ def run_greedy(
     if mode not in ("teacher", "decode"):
         raise ValueError(f"greedy mode must be 'teacher' or 'decode', got {mode!r}")
     prompts = s.windows(length, n_prompts)
-    protocol = {"new_tokens": new_tokens, "mode": mode}
+    protocol = {"new_tokens": new_tokens, "mode": mode, **(s.cache_protocol() if mode == "decode" else {})}
     REF = s.reference
     ref_run = s.run_id(TASK + "-ref", REF, length, new_tokens=new_tokens)
     ref_path = s.store.path(s.model_name, s.text.name, REF, TASK + "-ref", length)

@@ -15,7 +15,7 @@ import time
 from tqdm.auto import tqdm
 
 from .backend import final_hidden, output_head
-from .metrics import token_stats
+from .metrics import peak_memory, token_stats
 from .session import Session
 
 TASK = "lm"
@@ -41,16 +41,17 @@ def run_lm(s: Session, methods: list[str], length: int, n_windows: int, *, chunk
         ids = wins[i]
         ref = s.reference_hidden(ids, f"{s.text.name}_{length}_w{i}")
         t0 = time.perf_counter()
+        mem: dict = {}
         if m == s.reference:  # the reference's own pass: KLD 0 by definition, no second forward
             h = ref
         else:
-            with s.simulate(m):
+            with peak_memory(s.model) as mem, s.simulate(m):
                 h = final_hidden(s.model, ids)
         sec = time.perf_counter() - t0
         lo, hi = s.score_from, ids.numel() - 1
         st = token_stats(head, ref[lo:hi], h[lo:hi], ids[lo + 1 :].to(ref.device), chunk=chunk)
         rec = s.base_record(TASK, m, length, runs[m], f"w{i}")
-        rec.update(window=i, tokens=int(ids.numel()), score_from=lo, forward_s=round(sec, 2), **st.means())
+        rec.update(window=i, tokens=int(ids.numel()), score_from=lo, forward_s=round(sec, 2), **mem, **st.means())
         s.store.append(paths[m], rec)
         new.append(rec)
     return new

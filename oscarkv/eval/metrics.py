@@ -6,9 +6,10 @@ a 150K-vocabulary model never materialises its full ``[T, V]`` logits (5 GB in f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -111,9 +112,25 @@ def first_divergence(ref_tokens: list[int] | Tensor, tokens: list[int] | Tensor)
     return min(len(a), len(b))
 
 
+@contextlib.contextmanager
+def peak_memory(model: Any) -> Iterator[dict]:
+    """Yields a dict that, on CUDA, receives ``cuda_peak_gib``: the peak memory allocated on the model's device
+    inside the block (CUDA's peak counter is reset on entry); stays empty on other devices."""
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    out: dict = {}
+    if p is None or p.device.type != "cuda":
+        yield out
+        return
+    torch.cuda.synchronize(p.device)
+    torch.cuda.reset_peak_memory_stats(p.device)
+    yield out
+    torch.cuda.synchronize(p.device)
+    out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 3)
+
+
 def perplexity(nll_sum: float, n: int) -> float:
     """``exp(nll_sum / n)``; ``inf`` for ``n == 0``."""
     return math.exp(nll_sum / n) if n > 0 else float("inf")
 
 
-__all__ = ["TokenStats", "token_stats", "kl_rows", "relative_error", "first_divergence", "perplexity"]
+__all__ = ["TokenStats", "token_stats", "kl_rows", "relative_error", "first_divergence", "perplexity", "peak_memory"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .backend import greedy_generate
+from .metrics import peak_memory
 from .session import Session
 from .texts import bos_id
 
@@ -189,9 +191,9 @@ def run_niah(
     new = []
     for length in lengths:
         units = [(v, d, k) for v in variants for d in depths for k in range(samples)]
-        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants)}
+        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants), **s.cache_protocol()}
         for m in methods:
-            run = s.run_id(TASK, m, length, chunk=chunk)
+            run = s.run_id(TASK, m, length, chunk=chunk, **s.cache_protocol())
             path = s.store.path(s.model_name, s.text.name, m, TASK, length)
             done = s.store.done(path, run)
             todo = [u for u in units if _key(*u) not in done]
@@ -202,12 +204,16 @@ def run_niah(
                     smp = gen.sample(v, length, d, k)
                     n_ans = len(s.tokenizer(" " + smp.answer, add_special_tokens=False)["input_ids"])
                     cache = new_cache()
-                    out = greedy_generate(s.model, smp.input_ids, cache, n_ans + 4, chunk=chunk)
+                    t0 = time.perf_counter()
+                    with peak_memory(s.model) as mem:
+                        out = greedy_generate(s.model, smp.input_ids, cache, n_ans + 4, chunk=chunk)
+                    sec = time.perf_counter() - t0
                     text = s.tokenizer.decode(out, skip_special_tokens=True)
                     rec = s.base_record(TASK, m, length, run, _key(v, d, k))
                     rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
                                needle_token=smp.needle_token, answer=smp.answer, output=text,
-                               correct=int(smp.correct(text)), protocol=protocol, **physical_bits(cache))
+                               correct=int(smp.correct(text)), protocol=protocol, seconds=round(sec, 2), **mem,
+                               **physical_bits(cache))
                     s.store.append(path, rec)
                     new.append(rec)
     return new

@@ -120,8 +120,17 @@ def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) ->
         last = next((v for g, v in part.items() if g[3] == m and g[4] == ctxs[-1]), None)
         phys = f"{_fmt(last['bits_physical'], 2)} ({_fmt(last['bits_quantized_tier'], 2)})" if last else "-"
         rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + f" | {phys} |")
-    return "\n".join(rows) + ("\n\n(accuracy over samples, sample count in parentheses; physical bits = bytes held "
+    text = "\n".join(rows) + ("\n\n(accuracy over samples, sample count in parentheses; physical bits = bytes held "
                               "by the cache's tensors after the prompt and answer, per K/V element)\n")
+    variants = sorted({var for v in part.values() for var in v.get("by_variant", {})})
+    if len(variants) > 1:
+        rows = ["| method | context | " + " | ".join(variants) + " |", "|" + "---|" * (2 + len(variants))]
+        for m in _order((g[3] for g in part), order):
+            for g, v in sorted(((g, v) for g, v in part.items() if g[3] == m), key=lambda t: t[0][4]):
+                rows.append(f"| {m} | {g[4]} | " + " | ".join(_fmt(v["by_variant"].get(var), 2) for var in variants)
+                            + " |")
+        text += "\nBy variant (accuracy):\n\n" + "\n".join(rows) + "\n"
+    return text
 
 
 def _greedy_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
@@ -216,11 +225,16 @@ def write_report(out: str | Path, order: list[str] | None = None, title: str = "
     """Aggregate everything under ``out`` into ``out/summary.md``, ``out/summary.json`` and PNG plots."""
     out = Path(out)
     agg = aggregate(ResultStore(out).records())
-    info = {}
-    for p in out.glob("*/methods.json"):
-        info[json.loads(p.read_text()).get("model", p.parent.name)] = json.loads(p.read_text()).get("methods", {})
+    info, numerics = {}, []
+    for p in sorted(out.glob("*/methods.json")):
+        meta = json.loads(p.read_text())
+        info[meta.get("model", p.parent.name)] = meta.get("methods", {})
+        if meta.get("numerics"):
+            n = meta["numerics"]
+            numerics.append(f"* {meta.get('model', p.parent.name)} (latest run): "
+                            + ", ".join(f"{k} {v}" for k, v in n.items()))
     pngs = plots(agg, out / "plots", order)
-    md = f"# {title}\n\n" + markdown_tables(agg, info, order)
+    md = f"# {title}\n\n" + ("\n".join(numerics) + "\n\n" if numerics else "") + markdown_tables(agg, info, order)
     md += "\n" + "\n".join(f"![{p.stem}](plots/{p.name})" for p in pngs) + "\n"
     (out / "summary.md").write_text(md)
     (out / "summary.json").write_text(json.dumps({"|".join(map(str, g)): v for g, v in agg.items()}, indent=1,

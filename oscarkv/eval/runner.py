@@ -90,10 +90,24 @@ def _write_methods_info(s: Session, methods: Sequence[str]) -> None:
     for m in methods:
         info["methods"][m] = s.describe(m)
     info["calibration"] = s.calib_tag
+    info["numerics"] = numerics_info(s)
     info["calibration_provenance"] = getattr(s.calibration, "provenance", None)
     info["text"] = {"name": s.text.name, "sha256": s.text.sha256, **s.text.provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=1, default=str) + "\n")
 
 
-__all__ = ["evaluate", "Plan", "TASKS", "MAIN_METHODS"]
+def numerics_info(s: Session) -> dict:
+    """Where and how the run computes: device, model dtype, the caches' kernel choice, and on CUDA the GPU and
+    whether float32 matrix products may use TF32 (they must not for results comparable with the CPU)."""
+    import torch
+
+    out = {**s.numerics, "kernels": getattr(s.backend, "kernels", "auto"), "torch": torch.__version__}
+    if out.get("device") == "cuda":
+        dev = next(s.model.parameters()).device
+        out.update(gpu=torch.cuda.get_device_name(dev), tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                   float32_matmul_precision=torch.get_float32_matmul_precision())
+    return out
+
+
+__all__ = ["evaluate", "Plan", "TASKS", "MAIN_METHODS", "numerics_info"]

@@ -59,6 +59,27 @@ class Session:
     _tokens: Tensor | None = field(default=None, repr=False)
     _calib_tag: str | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if FP32 == self.reference and self.numerics.get("dtype", "float32") != "float32":
+            raise ValueError(f"--reference fp32 is the unmodified model in float32, but the model is "
+                             f"{self.numerics['dtype']}: load it with --dtype float32")
+
+    # ------------------------------------------------------------------------------------------ numerics
+    @property
+    def numerics(self) -> dict:
+        """Device type and dtype of the model's parameters (``{}`` for a model without parameters)."""
+        p = next(iter(self.model.parameters()), None) if hasattr(self.model, "parameters") else None
+        if p is None:
+            return {}
+        return {"device": p.device.type, "dtype": str(p.dtype).removeprefix("torch.")}
+
+    def numerics_tag(self) -> dict:
+        """What :meth:`run_id` adds for the model's numerics: nothing for the CPU float32 protocol (so its
+        fingerprints, and the results on file, stay as they were), else ``{"numerics": {device, dtype}}``: a
+        CUDA or 16-bit run never resumes from, or mixes with, CPU float32 units (and vice versa)."""
+        n = self.numerics
+        return {} if n in ({}, {"device": "cpu", "dtype": "float32"}) else {"numerics": n}
+
     # ------------------------------------------------------------------------------------------ text
     @property
     def tokens(self) -> Tensor:
@@ -88,13 +109,21 @@ class Session:
         return fingerprint({
             "task": task, "method": method, "reference": self.reference, "context": length, "model": self.model_name,
             "text": self.text.sha256, "calibration": self.method_calibration(method), **protocol,
+            **self.numerics_tag(),
         })
 
     def base_record(self, task: str, method: str, length: int | str, run: str, key: str) -> dict:
         return {
             "key": key, "run": run, "task": task, "method": method, "context": length, "model": self.model_name,
             "data": self.text.name, "calibration": self.method_calibration(method), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **self.numerics,
         }
+
+    def cache_protocol(self) -> dict:
+        """Protocol keys of the tasks that decode through a cache: the backend's kernel choice, where it is not
+        the default (``"auto"``) or the model runs on CUDA (the only device where the choice changes numerics)."""
+        kernels = getattr(self.backend, "kernels", "auto")
+        return {"kernels": kernels} if kernels != "auto" or self.numerics.get("device") == "cuda" else {}
 
     # ------------------------------------------------------------------------------------ methods
     def simulate(self, method: str, **kwargs: Any) -> Any:
@@ -116,6 +145,9 @@ class Session:
 
     def describe(self, method: str) -> dict:
         if method == FP32:
+            if self.numerics.get("dtype", "float32") != "float32":
+                raise ValueError(f"the 'fp32' pseudo-method is the unmodified model in float32, but the model is "
+                                 f"{self.numerics['dtype']}: load it with --dtype float32")
             return {"method": FP32, "bits": 32.0, "description": "unmodified model, K/V in float32"}
         return self.backend.describe(self.model, method)
 
@@ -126,7 +158,9 @@ class Session:
         digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
         path = None
         if self.ref_dir is not None:
-            name = f"{safe_name(label)}_{safe_name(self.reference)}_{digest}.pt"
+            tag = self.numerics_tag().get("numerics")
+            numerics = f"_{tag['device']}-{tag['dtype']}" if tag else ""  # CPU float32: the name as before
+            name = f"{safe_name(label)}_{safe_name(self.reference)}{numerics}_{digest}.pt"
             path = Path(self.ref_dir) / safe_name(self.model_name) / name
             if path.is_file():
                 h = torch.load(path, map_location="cpu", weights_only=True)
