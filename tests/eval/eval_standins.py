@@ -142,3 +142,55 @@ class CopyBackend:
 
     def describe(self, model, method):
         return {"method": method}
+
+
+# ------------------------------------------------------------------------------------ a tiny model on disk
+NIAH_WORDS = (
+    "Some special magic numbers words number word are hidden within the following text . Make sure to memorize "
+    "them I will quiz you about afterwards The for is : Question What ? Answer grass sky sun green blue yellow "
+    "Here we go There and back again"
+).split()
+
+
+def word_level_tokenizer(words):
+    """A transformers fast tokenizer over ``words`` (whitespace and punctuation split, ``<unk>`` for the rest):
+    what ``oscarkv eval --model DIR`` loads with ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def tiny_model_folder(folder, text: str, layers: int = 2, seed: int = 0):
+    """Save a tiny random Llama with head_dim 64 (the Triton kernels' smallest) and a word-level tokenizer over
+    ``text`` and the NIAH template words to ``folder``; returns ``(model, tokenizer)``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = word_level_tokenizer(list(dict.fromkeys(_WORD.findall(text) + NIAH_WORDS)))
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=True, initializer_range=0.08)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model, tok
+
+
+def tiny_calibration(model, text_ids, *, sink: int = 16, window: int = 32, page_size: int = 16,
+                     bit_budget: float | str | None = 2.75):
+    """A real (small) OSCAR calibration of ``model`` on token ids ``text_ids`` ``[N]``: rotations, means, fitted
+    clip and, with ``bit_budget``, per-layer formats for ``oscar-auto`` (page_size 16: the kernels' smallest)."""
+    from oscarkv.calib import calibrate
+    from oscarkv.config import QuantSpec
+
+    n = 128
+    chunks = [text_ids[i * n : (i + 1) * n] for i in range(min(4, text_ids.numel() // n))]
+    spec = QuantSpec(sink=sink, window=window, page_size=page_size, clip_grid=(1.0, 0.9), bit_budget=bit_budget)
+    return calibrate(model, None, chunks, spec=spec, tokens=n * len(chunks), seq_len=n, holdout=0.25,
+                     progress=False)
