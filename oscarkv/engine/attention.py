@@ -60,6 +60,10 @@ class _Ctx:
             return self.pool.r_k[layer], self.pool.mu_k[layer]
         return None, None
 
+    def kv_dest(self, layer: int) -> ops.KVDest | None:
+        """None: the context writes K/V itself (prefill: through the pools' own code)."""
+        return None
+
 
 class DecodeCtx(_Ctx):
     """Decode of one new token for each of the slots ``[0, bs)``."""
@@ -68,11 +72,13 @@ class DecodeCtx(_Ctx):
         super().__init__(pool, sm_scale)
         dev = pool.device
         self.bs = bs
-        self.tokens = torch.zeros(bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(bs, dtype=torch.long, device=dev)
-        self.widx = torch.zeros(bs, dtype=torch.long, device=dev)  # bf16: page*P+row; oscar: 16-bit index
-        self.lens = torch.zeros(bs, dtype=torch.int32, device=dev)  # bf16: tokens; oscar: 16-bit tokens (with new)
-        self.qlen = torch.zeros(bs, dtype=torch.int32, device=dev)
+        # static inputs, refreshed by two host-to-device copies per step (the graph keeps their addresses)
+        self._i64 = torch.zeros(6, bs, dtype=torch.long, device=dev)
+        # widx: bf16 page*P+row, oscar 16-bit index; page/row: bf16 only; kv_off: the new token's K/V element
+        # offset in the layer's pool view (see ``kv_dest``)
+        self.tokens, self.positions, self.widx, self.page, self.row, self.kv_off = self._i64
+        self._i32 = torch.zeros(2, bs, dtype=torch.int32, device=dev)
+        self.lens, self.qlen = self._i32  # bf16: tokens; oscar: 16-bit tokens (with the new one); 2-bit tokens
         self.rows = torch.arange(bs, device=dev)
         self.block_table = pool.block_table[:bs]
         self._decode = _kernel_op("decode_attention") if self.oscar else None
@@ -87,34 +93,58 @@ class DecodeCtx(_Ctx):
 
     def fill(self, tokens: list[int], positions: list[int], widx: list[int], lens: list[int],
              qlen: list[int]) -> None:
-        """Refresh the static inputs from host lists of length ``bs`` (padded rows included)."""
-        host = torch.tensor([tokens, positions, widx, lens, qlen], dtype=torch.long)
-        host = host.to(self.tokens.device, non_blocking=True)
-        self.tokens.copy_(host[0])
-        self.positions.copy_(host[1])
-        self.widx.copy_(host[2])
-        self.lens.copy_(host[3])
-        self.qlen.copy_(host[4])
-
-    def attention(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        """Refresh the static inputs from host lists of length ``bs`` (padded rows included); the per-step
+        index math (page, row, pool offsets) is done here once, not per layer."""
         pool = self.pool
         if isinstance(pool, Bf16Pool):
             P = pool.cfg.page_size
-            pool.kv[layer][:, self.widx // P, :, self.widx % P] = kv.transpose(0, 1)
+            page, row = [w // P for w in widx], [w % P for w in widx]
+            s_page, s_row = pool.kv.stride(2), pool.kv.stride(4)  # of the layer view [2, pages, H, P, d]
+            off = [p * s_page + r * s_row for p, r in zip(page, row)]
+        else:
+            page = row = [0] * len(widx)
+            s_slot, s_col = pool.buf.stride(2), pool.buf.stride(4)  # of the layer view [2, slots, H, C16+1, d]
+            off = [t * s_slot + w * s_col for t, w in enumerate(widx)]
+        self._i64.copy_(torch.tensor([tokens, positions, widx, page, row, off], dtype=torch.long))
+        self._i32.copy_(torch.tensor([lens, qlen], dtype=torch.int32))
+
+    def kv_dest(self, layer: int) -> ops.KVDest:
+        """Where QK-prep stores this step's K/V of ``layer`` (the fused write, Triton path)."""
+        pool = self.pool
+        if isinstance(pool, Bf16Pool):
+            return ops.KVDest(pool.kv[layer], self.kv_off, pool.kv.stride(1), pool.kv.stride(3))
+        return ops.KVDest(pool.buf[:, layer], self.kv_off, pool.buf.stride(0), pool.buf.stride(3))
+
+    def write_kv(self, layer: int, kv: Tensor) -> None:
+        """Reference write of the new token's K/V ``[2, bs, Hkv, d]`` (PyTorch path; the spec of the fused one)."""
+        pool = self.pool
+        if isinstance(pool, Bf16Pool):
+            pool.kv[layer][:, self.page, :, self.row] = kv.transpose(0, 1)
+        else:
+            buf = pool.buf[:, layer]
+            buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
+
+    def attention(self, layer: int, q: Tensor, kv: Tensor | None) -> Tensor:
+        """``kv=None``: QK-prep has already stored the new token's K/V at ``kv_dest(layer)``."""
+        pool = self.pool
+        if isinstance(pool, Bf16Pool):
+            if kv is not None:
+                self.write_kv(layer, kv)
             return ops.paged_decode(q, pool.kv[layer], self.block_table, self.lens, self.sm_scale, pool.max_len)
         assert isinstance(pool, OscarPool)
         buf = pool.buf[:, layer]
         kp, vp = pool.pages[0][layer], pool.pages[1][layer]
-        if not ops.use_triton(q):  # reference: the new token attends to itself unrounded (as the hf cache does)
+        if not ops.use_triton(q) and kv is not None:  # reference: the new token attends to itself unrounded
             out = self._extend(q[:, None], kv[0][:, None], kv[1][:, None], kp, vp, self.block_table, self.qlen,
                                buf[0, : self.bs], buf[1, : self.bs], self.lens - 1, sm_scale=self.sm_scale)[:, 0]
-            buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
+            self.write_kv(layer, kv)
             return out.to(q.dtype)
-        buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
+        if kv is not None:
+            self.write_kv(layer, kv)
         extra = {"plan": self.plan} if self.plan is not None else {}
         out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
                            sm_scale=self.sm_scale, **extra)
-        return out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 class PrefillCtx(_Ctx):

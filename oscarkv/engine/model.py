@@ -96,14 +96,18 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps), RMSNorm(cfg.head_dim, cfg.rms_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
+        return self.o_proj(self.core(self.qkv(x), cos, sin, ctx))
+
+    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
+        """From the fused QKV projection to the attention output ``[N, Hq * d]`` (before ``o_proj``)."""
         c = self.cfg
         r_k, mu_k = ctx.rotation(self.layer)
         qn = self.q_norm.weight if c.qk_norm else None
         kn = self.k_norm.weight if c.qk_norm else None
-        q, kv = ops.qk_prep(self.qkv(x), c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, qn, kn, c.rms_eps,
-                            r_k, mu_k)
+        q, kv = ops.qk_prep(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, qn, kn, c.rms_eps, r_k, mu_k,
+                            ctx.kv_dest(self.layer))
         o = ctx.attention(self.layer, q, kv)  # [N, Hq, d] in the (rotated) value basis
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return o.reshape(qkv.shape[0], -1)
 
 
 class Block(nn.Module):
@@ -136,15 +140,22 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         d = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.rope_scaling = 1.0
+        self.set_rope(1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
+
+    def set_rope(self, inv_freq: Tensor, scaling: float = 1.0) -> None:
+        """RoPE frequencies ``[d/2]`` (float32) and attention scaling."""
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # both halves, so the step computes cos/sin of [N, d] without a cat
+        self.register_buffer("inv_freq2", torch.cat((self.inv_freq, self.inv_freq)), persistent=False)
+        self.rope_scaling = float(scaling)
 
     def forward(self, tokens: Tensor, positions: Tensor, ctx: Any, last: Tensor | None = None) -> Tensor:
         x = self.embed(tokens)
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = (emb.cos() * self.rope_scaling).to(x.dtype), (emb.sin() * self.rope_scaling).to(x.dtype)
+        emb = positions[:, None] * self.inv_freq2.float()  # one launch: cat((f, f)) of positions.float() * inv_freq
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_scaling != 1.0:
+            cos, sin = cos * self.rope_scaling, sin * self.rope_scaling
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         residual = None
         for block in self.layers:
             x, residual = block(x, residual, cos, sin, ctx)
@@ -196,10 +207,9 @@ def from_state_dict(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dty
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.load_state_dict(_convert_state(cfg, state), strict=False, assign=False)
-    inv = inv_freq if inv_freq is not None else model.inv_freq.new_tensor(
+    inv = inv_freq if inv_freq is not None else (
         1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim)))
-    model.inv_freq = inv.to(device=device, dtype=torch.float32)
-    model.rope_scaling = rope_scaling
+    model.set_rope(inv.to(device=device, dtype=torch.float32), rope_scaling)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     _check_loaded(model, state, cfg)
@@ -259,7 +269,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: 
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     d = cfg.head_dim
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    model.set_rope((1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device))
     return model.eval()
 
 

@@ -2,10 +2,12 @@
 
 Each op has a PyTorch implementation (CPU, and the specification) and a Triton kernel used on CUDA, so a
 CUDA-graph decode step launches about a dozen kernels per layer instead of fifty. ``use_triton(x)`` decides;
-tests compare both (``tests/engine/test_ops.py``, interpreter on CPU, and the GPU run).
+tests compare both (``tests/engine/test_engine_ops.py``, interpreter on CPU, and the GPU run).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,17 @@ _FORCE_TORCH = False  # tests flip this to compare paths; never changes numerics
 
 def use_triton(x: Tensor) -> bool:
     return x.is_cuda and not _FORCE_TORCH
+
+
+class KVDest(NamedTuple):
+    """Where a decode step's new K/V rows go in a pool: element ``i`` of head ``h`` of token ``t`` of side
+    ``which`` (0 = K, 1 = V) is ``dst``'s element at offset ``which * s_which + off[t] + h * s_head + i``
+    (``off`` int64 ``[N]``, computed once per step by ``DecodeCtx.fill``)."""
+
+    dst: Tensor
+    off: Tensor
+    s_which: int
+    s_head: int
 
 
 # ----------------------------------------------------------------------------------------- PyTorch
@@ -91,11 +104,14 @@ def silu_mul(gu: Tensor) -> Tensor:
 
 
 def qk_prep(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None, kn: Tensor | None,
-            eps: float, r_k: Tensor | None = None, mu_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            eps: float, r_k: Tensor | None = None, mu_k: Tensor | None = None,
+            out: KVDest | None = None) -> tuple[Tensor, Tensor | None]:
+    """``(q, kv)``; with ``out`` the Triton kernel stores k/v into the pool itself and returns ``kv=None``
+    (the PyTorch path ignores ``out`` and returns kv for the caller's reference write)."""
     if use_triton(qkv):
         from . import triton_ops
 
-        return triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
+        return triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k, out)
     return qk_prep_torch(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
 
 
@@ -109,5 +125,5 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
     return paged_decode_torch(q, kv, block_table, lens, sm_scale)
 
 
-__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "rmsnorm_torch", "rope_torch", "qk_prep_torch",
+__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "KVDest", "rmsnorm_torch", "rope_torch", "qk_prep_torch",
            "paged_decode_torch"]

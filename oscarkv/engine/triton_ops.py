@@ -64,16 +64,23 @@ def silu_mul(gu: Tensor) -> Tensor:
 
 
 @triton.jit
-def _qk_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, r_ptr, mu_ptr, q_ptr, kv_ptr, N, eps,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr):
-    """One program per (token, head) of q, k and v: norm, RoPE, center + rotate (keys), rotate (queries)."""
+def _qk_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, r_ptr, mu_ptr, q_ptr, kv_ptr, dst_ptr, off_ptr,
+                    s_which, s_head, N, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    NORM: tl.constexpr, ROT: tl.constexpr, POOL: tl.constexpr):
+    """One program per (token, head) of q, k and v: norm, RoPE, center + rotate (keys), rotate (queries).
+    With ``POOL`` the token's k/v rows go straight into the KV pool at ``dst + which * s_which + off[t] +
+    head * s_head`` (cast to the pool dtype) instead of into ``kv``."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     W: tl.constexpr = (HQ + 2 * HKV) * D
     cols = tl.arange(0, D)
     x = tl.load(qkv_ptr + t * W + h * D + cols)
     if h >= HQ + HKV:  # value head: copy
-        tl.store(kv_ptr + (N + t) * HKV * D + (h - HQ - HKV) * D + cols, x)
+        if POOL:
+            off = tl.load(off_ptr + t)
+            tl.store(dst_ptr + s_which + off + (h - HQ - HKV) * s_head + cols, x.to(dst_ptr.dtype.element_ty))
+        else:
+            tl.store(kv_ptr + (N + t) * HKV * D + (h - HQ - HKV) * D + cols, x)
     else:
         is_q = h < HQ
         dt = x.dtype
@@ -98,21 +105,33 @@ def _qk_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, r_ptr, mu_ptr, q_
             x = tl.sum(xf[:, None] * r, 0).to(dt)
         if is_q:
             tl.store(q_ptr + t * HQ * D + h * D + cols, x)
+        elif POOL:
+            off = tl.load(off_ptr + t)
+            tl.store(dst_ptr + off + (h - HQ) * s_head + cols, x.to(dst_ptr.dtype.element_ty))
         else:
             tl.store(kv_ptr + t * HKV * D + (h - HQ) * D + cols, x)
 
 
-def qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k=None, mu_k=None) -> tuple[Tensor, Tensor]:
+def qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k=None, mu_k=None, out=None) -> tuple[Tensor, Tensor | None]:
+    """As :func:`ops.qk_prep`; with ``out`` (an :class:`ops.KVDest`) the k/v rows are stored into the pool
+    and the second result is ``None``."""
     qkv = qkv.contiguous()
     N = qkv.shape[0]
     q = torch.empty(N, hq, d, dtype=qkv.dtype, device=qkv.device)
-    kv = torch.empty(2, N, hkv, d, dtype=qkv.dtype, device=qkv.device)
     dummy = qkv
+    if out is not None:
+        if out.dst.stride(-1) != 1 or out.off.dtype != torch.int64 or out.off.numel() < N:
+            raise ValueError("KVDest needs a destination with unit stride on head_dim and int64 offsets per token")
+        kv, dst, off, s_which, s_head = dummy, out.dst, out.off, out.s_which, out.s_head
+    else:
+        kv = torch.empty(2, N, hkv, d, dtype=qkv.dtype, device=qkv.device)
+        dst, off, s_which, s_head = dummy, dummy, 0, 0
     _qk_prep_kernel[(N, hq + 2 * hkv)](
         qkv, cos.contiguous(), sin.contiguous(), qn if qn is not None else dummy, kn if kn is not None else dummy,
-        r_k.contiguous() if r_k is not None else dummy, mu_k.contiguous() if mu_k is not None else dummy, q, kv, N,
-        eps, HQ=hq, HKV=hkv, D=d, NORM=qn is not None, ROT=r_k is not None, num_warps=4)
-    return q, kv
+        r_k.contiguous() if r_k is not None else dummy, mu_k.contiguous() if mu_k is not None else dummy, q, kv,
+        dst, off, s_which, s_head, N, eps, HQ=hq, HKV=hkv, D=d, NORM=qn is not None, ROT=r_k is not None,
+        POOL=out is not None, num_warps=4)
+    return q, (None if out is not None else kv)
 
 
 @triton.jit
@@ -195,6 +214,7 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
         kv.stride(2), pps, HKV=Hkv, G=g, GP=max(16, _p2(g)), D=d, P=P, NSPLIT=nsplit, num_warps=4, num_stages=2)
     _merge_kernel[(B * Hq,)](o, lse, out, NSPLIT=nsplit, SP=_p2(nsplit), D=d, num_warps=4)
     return out
+
 
 
 __all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode"]
