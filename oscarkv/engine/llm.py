@@ -15,7 +15,7 @@ from ..config import QuantSpec
 from .core import Engine, Sequence
 from .kv import CacheConfig, KVPool, OscarPool, make_pool
 from .metrics import Metrics, QuantMonitor
-from .model import ModelConfig, Transformer, fold_value_rotation, from_hf
+from .model import GEMV_BACKENDS, ModelConfig, Transformer, fold_value_rotation, from_hf
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,8 @@ class LLM:
         window_dtype: dtype of OSCAR's 16-bit tiers (default: the model's if 16-bit, else bfloat16, as in
             :mod:`oscarkv.hf`). The "bf16" cache stores the model's dtype (float32 models on CPU keep float32,
             so outputs equal transformers' exactly).
+        gemv: "cublas" (default) or "triton": decode steps of up to 8 sequences on CUDA run the fused Triton
+            GEMV (norms, SiLU gate, bias and residual adds inside the projections; docs/engine.md).
     """
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None, kv: str = "oscar",
@@ -128,10 +130,13 @@ class LLM:
                  max_model_len: int | None = None, prefill_chunk: int = 2048, dtype: torch.dtype | None = None,
                  device: str | None = None, cuda_graphs: bool = True, monitor_every: int = 4,
                  eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None,
-                 method: str | None = None):
+                 method: str | None = None, gemv: str = "cublas"):
         if kv not in ("oscar", "bf16"):
             raise ValueError(f"kv must be 'oscar' or 'bf16', got {kv!r}")
+        if gemv not in GEMV_BACKENDS:
+            raise ValueError(f"gemv must be one of {list(GEMV_BACKENDS)}, got {gemv!r}")
         net, tok, eos = _load_model(model, dtype, device)
+        net.set_gemv(gemv)
         self.model, self.tokenizer = net, tokenizer or tok
         cfg = net.cfg
         max_len = max_model_len or cfg.max_position  # may exceed the trained length (benchmarks, RoPE scaling)

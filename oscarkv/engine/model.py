@@ -126,11 +126,28 @@ class Block(nn.Module):
         h, residual = ops.rmsnorm(self.attn(h, cos, sin, ctx), self.post_norm.weight, eps, residual)
         return self.down(ops.silu_mul(self.gate_up(h))), residual
 
+    def forward_gemv(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
+        """The same block for a few decode rows with the fused GEMV (``ops.gemv``): the norms and the SiLU gate
+        run in the next projection's prologue, the residual adds in the previous one's epilogue. ``x`` is the
+        residual stream (input + all earlier outputs); returns the stream after this block."""
+        eps, a = self.input_norm.eps, self.attn
+        o = a.core(ops.gemv(x, a.qkv.weight, a.qkv.bias, norm=self.input_norm.weight, eps=eps), cos, sin, ctx)
+        x = ops.gemv(o, a.o_proj.weight, a.o_proj.bias, residual=x)
+        gu = ops.gemv(x, self.gate_up.weight, norm=self.post_norm.weight, eps=eps)
+        return ops.gemv(gu, self.down.weight, act="silu", residual=x)
+
+
+GEMV_BACKENDS = ("cublas", "triton")
+
 
 class Transformer(nn.Module):
-    """``forward(tokens [N], positions [N], ctx, last [M] | None) -> logits [M, vocab]`` (float32)."""
+    """``forward(tokens [N], positions [N], ctx, last [M] | None) -> logits [M, vocab]`` (float32).
 
-    def __init__(self, cfg: ModelConfig):
+    ``gemv``: "cublas" (``nn.Linear`` everywhere) or "triton": decode steps of up to
+    ``triton_ops.GEMV_MAX_M`` rows on CUDA run the fused Triton GEMV (:meth:`Block.forward_gemv`); prefill
+    and larger batches keep ``nn.Linear``."""
+
+    def __init__(self, cfg: ModelConfig, gemv: str = "cublas"):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -141,6 +158,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         d = cfg.head_dim
         self.set_rope(1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
+        self.set_gemv(gemv)
 
     def set_rope(self, inv_freq: Tensor, scaling: float = 1.0) -> None:
         """RoPE frequencies ``[d/2]`` (float32) and attention scaling."""
@@ -149,6 +167,18 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq2", torch.cat((self.inv_freq, self.inv_freq)), persistent=False)
         self.rope_scaling = float(scaling)
 
+    def set_gemv(self, gemv: str) -> None:
+        if gemv not in GEMV_BACKENDS:
+            raise ValueError(f"gemv must be one of {list(GEMV_BACKENDS)}, got {gemv!r}")
+        self.gemv = gemv
+
+    def _use_gemv(self, x: Tensor) -> bool:
+        if self.gemv != "triton" or not ops.use_triton(x):
+            return False
+        from .triton_ops import GEMV_MAX_M  # noqa: PLC0415
+
+        return x.shape[0] <= GEMV_MAX_M
+
     def forward(self, tokens: Tensor, positions: Tensor, ctx: Any, last: Tensor | None = None) -> Tensor:
         x = self.embed(tokens)
         emb = positions[:, None] * self.inv_freq2.float()  # one launch: cat((f, f)) of positions.float() * inv_freq
@@ -156,6 +186,10 @@ class Transformer(nn.Module):
         if self.rope_scaling != 1.0:
             cos, sin = cos * self.rope_scaling, sin * self.rope_scaling
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if last is None and self._use_gemv(x):
+            for block in self.layers:
+                x = block.forward_gemv(x, cos, sin, ctx)
+            return ops.gemv(x, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.eps).float()
         residual = None
         for block in self.layers:
             x, residual = block(x, residual, cos, sin, ctx)

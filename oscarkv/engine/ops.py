@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _FORCE_TORCH = False  # tests flip this to compare paths; never changes numerics of a given path
+_FORCE_TRITON = False  # tests run the Triton path on CPU tensors under TRITON_INTERPRET=1
 
 
 def use_triton(x: Tensor) -> bool:
-    return x.is_cuda and not _FORCE_TORCH
+    return (x.is_cuda or _FORCE_TRITON) and not _FORCE_TORCH
 
 
 class KVDest(NamedTuple):
@@ -82,6 +83,20 @@ def paged_decode_torch(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor,
     return out
 
 
+def gemv_torch(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None,
+               norm: Tensor | None = None, eps: float = 1e-6, act: str | None = None) -> Tensor:
+    """Specification of the fused decode GEMV: ``linear(pro(x), w, b)``, rounded to x's dtype, then
+    ``+ residual``. ``pro``: ``rmsnorm_torch(x, norm)`` with ``norm``, ``silu(x[:, :K]) * x[:, K:]`` with
+    ``act="silu"``, else identity (the unfused ops of a block, in the same order)."""
+    if norm is not None:
+        x = rmsnorm_torch(x, norm, eps)
+    elif act == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = F.linear(x, w, b)
+    return y if residual is None else y + residual
+
+
 # --------------------------------------------------------------------------------------- dispatchers
 def rmsnorm(x: Tensor, w: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(rmsnorm(x + residual), x + residual)``; with ``residual=None`` the second output is ``x``."""
@@ -115,6 +130,16 @@ def qk_prep(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn
     return qk_prep_torch(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
 
 
+def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None, norm: Tensor | None = None,
+         eps: float = 1e-6, act: str | None = None) -> Tensor:
+    """The fused decode GEMV (:func:`gemv_torch`): Triton on CUDA, the specification elsewhere."""
+    if use_triton(x):
+        from . import triton_ops
+
+        return triton_ops.gemv(x, w, b, residual, norm, eps, act)
+    return gemv_torch(x, w, b, residual, norm, eps, act)
+
+
 def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_scale: float,
                  max_len: int | None = None) -> Tensor:
     """Graph-safe on CUDA (fixed grid sized from ``max_len``); a per-sequence loop on CPU."""
@@ -125,5 +150,5 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
     return paged_decode_torch(q, kv, block_table, lens, sm_scale)
 
 
-__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "KVDest", "rmsnorm_torch", "rope_torch", "qk_prep_torch",
-           "paged_decode_torch"]
+__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "gemv", "KVDest", "rmsnorm_torch", "rope_torch",
+           "qk_prep_torch", "paged_decode_torch", "gemv_torch"]

@@ -7,6 +7,7 @@ that a CUDA-graph decode step is not dominated by launch gaps.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -216,5 +217,196 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
     return out
 
 
+# -------------------------------------------------------------------------------------------- decode GEMV
+GEMV_MAX_M = 8  # rows up to which the decode GEMV runs (beyond: cuBLAS, which is compute-efficient there)
 
-__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode"]
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiling of the decode GEMV. Each program owns ``block_n`` output columns and streams their weight rows
+    over all of K (no split-K: no reduce kernel, nothing to zero between graph replays).
+
+    ``kind`` "fma": CUDA-core FMAs; meant for one row: each thread sums its 16-byte vector of products in
+    registers, so the fp32 accumulator is ``[BN, BK / 8]`` (bf16) and a 16 x 1024 tile needs about 80 registers;
+    the input row shares the weight tile's layout, so the loop has no layout conversion. More rows broadcast
+    through a 3-D ``[MP, BN, BK]`` accumulator, which Triton converts through shared memory: correct but slow.
+    "dot": tensor cores with the weight tile as the M side (``W[BN, BK] @ x^T[BK, 16]``, rows padded to 16),
+    loads pipelined by ``num_stages`` (cp.async).
+    (Register and pipelining figures: compiled for sm_90 with Triton 3.9, not yet timed on a GPU.)"""
+
+    kind: str = "fma"
+    block_n: int = 8
+    block_k: int = 1024
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fma", "dot"):
+            raise ValueError(f"GemvConfig.kind must be 'fma' or 'dot', got {self.kind!r}")
+        if self.kind == "dot" and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError("the 'dot' GEMV needs block_n and block_k >= 16 (tensor-core tile)")
+
+
+# (padded rows, N, K) -> config; benchmarks/gemv_probe.py --sweep prints entries measured on a GPU
+GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def gemv_config(M: int, N: int, K: int) -> GemvConfig:
+    """The tuned entry for the shape if there is one, else a heuristic (compiled for sm_90, not yet timed on a
+    GPU): one row "fma" 16 x 1024, 4 warps (about 80 registers: 6 programs per SM, 32 KB of weight loads in
+    flight each; the input is re-read per program at 2 / 16 of the weight bytes, mostly from L1/L2); more rows
+    "dot" 16 x 256, 4 stages (49 KB of shared memory)."""
+    mp = _p2(M)
+    if (mp, N, K) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(mp, N, K)]
+    if mp == 1:
+        return GemvConfig("fma", 16, 1024, 4, 1)
+    return GemvConfig("dot", 16, 256, 4, 4)
+
+
+@triton.jit
+def _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP: tl.constexpr, BK: tl.constexpr):
+    """1 / rms of each row of x (float32), as ``_rmsnorm_kernel`` computes it (summed in BK chunks)."""
+    rk = tl.arange(0, BK)
+    ss = tl.zeros([MP], tl.float32)
+    for k0 in range(0, K, BK):
+        m = (rm < M)[:, None] & (k0 + rk < K)[None, :]
+        xf = tl.load(x_ptr + rm[:, None] * s_xm + k0 + rk[None, :], mask=m, other=0.0).to(tl.float32)
+        ss += tl.sum(xf * xf, 1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _gemv_x(x_ptr, nw_ptr, rm, kk, inv, M, K, s_xm, PRO: tl.constexpr):
+    """Rows ``rm``, columns ``kk`` of the GEMV input after the prologue, in x's dtype: PRO 0 x as is; 1 the
+    RMSNorm output ``nw * (x * inv).to(dtype)``; 2 the SiLU gate ``silu(x[:, :K]).to(dtype) * x[:, K:]``
+    (x then holds ``[gate | up]``). Same arithmetic as ``_rmsnorm_kernel`` / ``_silu_mul_kernel``."""
+    m = (rm < M)[:, None] & (kk < K)[None, :]
+    ptrs = x_ptr + rm[:, None] * s_xm + kk[None, :]
+    xv = tl.load(ptrs, mask=m, other=0.0)
+    if PRO == 1:
+        nw = tl.load(nw_ptr + kk[None, :], mask=(kk < K)[None, :], other=0.0)  # 2-D: the x tile's layout
+        xv = nw * (xv.to(tl.float32) * inv[:, None]).to(xv.dtype)
+    if PRO == 2:
+        u = tl.load(ptrs + K, mask=m, other=0.0)
+        g = xv.to(tl.float32)
+        xv = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+    return xv
+
+
+@triton.jit
+def _gemv_w(ptrs, rn, kk, N, K, EVEN: tl.constexpr):
+    """A weight tile, streamed once: no predicates when the tiles divide the matrix, evicted first from L2."""
+    if EVEN:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=(rn < N)[:, None] & (kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _gemv_store(y, rm, rn, b_ptr, r_ptr, y_ptr, M, N, s_rm, s_ym, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Epilogue on the fp32 ``y [MP, BN]``: + bias, round to the output dtype, then + residual (rounded again:
+    the same two roundings as an unfused linear followed by the residual add)."""
+    m = (rm < M)[:, None] & (rn < N)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = y.to(y_ptr.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :], mask=m, other=0.0)
+        out = (out + r).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], out, mask=m)
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_rm, s_ym, eps,
+                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, MP)
+    rk = tl.arange(0, BK)
+    if PRO == 1:
+        inv = _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP, BK)
+    else:
+        inv = tl.zeros([MP], tl.float32)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+    if MP == 1:  # 2-D: the input row shares the weight tile's layout (no 3-D broadcast, no conversion)
+        acc2 = tl.zeros([BN, BK // V], tl.float32)
+        for k0 in range(0, K, BK):
+            w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
+            xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
+            # each thread's V contiguous products (one 16-byte load) summed in registers: a V-times smaller
+            # accumulator, so wide tiles keep occupancy
+            acc2 += tl.sum(tl.reshape(w.to(tl.float32) * xv.to(tl.float32), [BN, BK // V, V]), 2)
+        y = tl.sum(acc2, 1)[None, :]
+    else:
+        acc = tl.zeros([MP, BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
+            xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
+            acc += xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        y = tl.sum(acc, 2)
+    _gemv_store(y, rm, rn, b_ptr, r_ptr, y_ptr, M, N, s_rm, s_ym, HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_rm, s_ym, eps,
+                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, MP)
+    rk = tl.arange(0, BK)
+    if PRO == 1:
+        inv = _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP, BK)
+    else:
+        inv = tl.zeros([MP], tl.float32)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+    acc = tl.zeros([BN, MP], tl.float32)
+    for k0 in range(0, K, BK):
+        w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
+        xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
+        acc = tl.dot(w, tl.trans(xv.to(w.dtype)), acc, input_precision=PREC)  # W as the M side: [BN, MP]
+    _gemv_store(tl.trans(acc), rm, rn, b_ptr, r_ptr, y_ptr, M, N, s_rm, s_ym, HAS_BIAS, HAS_RES)
+
+
+def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None, norm: Tensor | None = None,
+         eps: float = 1e-6, act: str | None = None, config: GemvConfig | None = None) -> Tensor:
+    """``y = linear(pro(x), w, b)`` (+ ``residual``) for ``M <= GEMV_MAX_M`` rows; semantics of
+    :func:`oscarkv.engine.ops.gemv_torch` (``norm``: fused RMSNorm weights; ``act="silu"``: x is ``[gate | up]``)."""
+    M = x.shape[0]
+    N, K = w.shape
+    if act not in (None, "silu"):
+        raise ValueError(f"act must be None or 'silu', got {act!r}")
+    if norm is not None and act is not None:
+        raise ValueError("gemv fuses either an RMSNorm or a SiLU gate into its input, not both")
+    if x.dim() != 2 or x.shape[1] != (2 * K if act else K) or not 1 <= M <= GEMV_MAX_M:
+        raise ValueError(f"gemv: x {tuple(x.shape)} does not fit weight {tuple(w.shape)} (act={act}) or has more "
+                         f"than {GEMV_MAX_M} rows")
+    if x.dtype != w.dtype:
+        raise ValueError(f"gemv: x is {x.dtype}, weight {w.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} does not match the output {tuple(y.shape)}")
+    cfg = config or gemv_config(M, N, K)
+    mp = max(16, _p2(M)) if cfg.kind == "dot" else _p2(M)
+    dummy = y
+    args = (x, w, b if b is not None else dummy, residual if residual is not None else dummy,
+            norm if norm is not None else dummy, y, M, N, K, x.stride(0), w.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0), eps)
+    meta = dict(MP=mp, BN=cfg.block_n, BK=cfg.block_k, PRO=1 if norm is not None else (2 if act else 0),
+                HAS_BIAS=b is not None, HAS_RES=residual is not None,
+                EVEN=N % cfg.block_n == 0 and K % cfg.block_k == 0, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    grid = (triton.cdiv(N, cfg.block_n),)
+    if cfg.kind == "fma":
+        _gemv_fma_kernel[grid](*args, V=min(cfg.block_k, 16 // x.element_size()), **meta)
+    else:
+        _gemv_dot_kernel[grid](*args, PREC="ieee" if x.dtype == torch.float32 else "tf32", **meta)
+    return y
+
+
+__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "gemv", "GemvConfig", "GEMV_CONFIGS", "GEMV_MAX_M",
+           "gemv_config"]

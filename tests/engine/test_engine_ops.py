@@ -1,5 +1,7 @@
-"""Triton ops of the engine against their PyTorch specification (interpreter on CPU, float32, tiny shapes). The
-interpreter truncates float32 -> bfloat16 where the GPU rounds, so bf16 stores are checked to one ulp here."""
+"""Triton ops of the engine against their PyTorch specification (interpreter on CPU, float32, tiny shapes), and
+the engine's whole Triton decode path (fused K/V write, fused GEMV) against transformers under the interpreter.
+The interpreter stores bfloat16 as raw bits and truncates float32 -> bfloat16, so bf16 numerics are GPU-tested
+(tests/engine/test_engine_gpu.py)."""
 
 import os
 import subprocess
@@ -76,6 +78,76 @@ for pool in pools:
 print("OK")
 '''
 
+GEMV = r'''
+import torch
+from oscarkv.engine import ops, triton_ops
+from oscarkv.engine.triton_ops import GemvConfig
+torch.manual_seed(0)
+cfgs = [GemvConfig("fma", 8, 32, 4, 1), GemvConfig("fma", 4, 64, 4, 2), GemvConfig("dot", 16, 32, 4, 2)]
+for dt, M, N, K in ((torch.float32, 1, 48, 64), (torch.float32, 3, 40, 72), (torch.float32, 8, 48, 64),
+                    (torch.float16, 2, 40, 72)):  # even and ragged tiles
+    w = (torch.randn(N, K) / K ** 0.5).to(dt)
+    b, nw = torch.randn(N).to(dt), (torch.rand(K) + 0.5).to(dt)
+    x, gu, res = torch.randn(M, K).to(dt), torch.randn(M, 2 * K).to(dt), torch.randn(M, N).to(dt)
+    cases = ((x, {}), (x, dict(b=b, residual=res)), (x, dict(norm=nw, eps=1e-6)), (gu, dict(act="silu", residual=res)))
+    for cfg in cfgs + [None]:
+        for xin, kw in cases:
+            got = triton_ops.gemv(xin, w, config=cfg, **kw)
+            ref = ops.gemv_torch(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
+            tol = 1e-5 if dt == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{dt} {M}x{N}x{K} {cfg} {list(kw)}: {m}")
+for bad in (dict(act="gelu"), dict(norm=torch.ones(64), act="silu")):
+    try:
+        triton_ops.gemv(torch.randn(1, 64), torch.randn(8, 64), **bad)
+        raise AssertionError(bad)
+    except ValueError:
+        pass
+print("OK")
+'''
+
+# The whole decode path with Triton ops forced on CPU: greedy tokens of a BF16-cache engine with the fused GEMV
+# equal transformers'; an OSCAR engine (float32 windows, biases from the value folding) equals the PyTorch path.
+ENGINE = r'''
+import sys
+import torch
+sys.path.insert(0, "tests/engine")
+from conftest import tiny_hf
+from test_engine_oscar import SMALL, make_calib
+from oscarkv.engine import LLM, SamplingParams, ops, triton_ops
+calls = {"gemv": 0, "fused_write": 0}
+gemv, qk_prep = triton_ops.gemv, triton_ops.qk_prep
+def count_gemv(*a, **k):
+    calls["gemv"] += 1
+    return gemv(*a, **k)
+def count_qk(*a, **k):
+    calls["fused_write"] += a[-1] is not None if len(a) > 11 else 0
+    return qk_prep(*a, **k)
+triton_ops.gemv, triton_ops.qk_prep = count_gemv, count_qk
+params = SamplingParams(max_tokens=6, ignore_eos=True)
+kw = dict(kv_budget_gb=0.01, max_num_seqs=4, max_model_len=64)
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 21)]
+hf = tiny_hf("qwen3")
+ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+       for p in prompts]
+ops._FORCE_TRITON = True
+got = [o.token_ids for o in LLM(hf, kv="bf16", gemv="triton", **kw).generate(prompts, params)]
+ops._FORCE_TRITON = False
+assert got == ref, (got, ref)
+assert calls["gemv"] == 5 * (2 * 4 + 1) and calls["fused_write"] == 5 * 2, calls  # 5 decode steps, 2 layers
+hf = tiny_hf("qwen2")
+calib = make_calib(hf, SMALL)  # sink 4, window 8, page 4: decode steps demote pages
+base = [o.token_ids for o in LLM(hf, calib, kv="oscar", window_dtype=torch.float32, **kw).generate(prompts, params)]
+ops._FORCE_TRITON = True
+osc = LLM(hf, calib, kv="oscar", window_dtype=torch.float32, gemv="triton", **kw)
+got = [o.token_ids for o in osc.generate(prompts, params)]
+ops._FORCE_TRITON = False
+assert got == base, (got, base)
+assert osc.pool.alloc.num_free == osc.pool.alloc.capacity
+print("OK")
+'''
+
+
 def _interpret(script: str) -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -92,3 +164,10 @@ def test_triton_ops_match_torch_in_interpreter():
 def test_fused_kv_write_equals_reference_write_in_interpreter():
     _interpret(FUSED_WRITE)
 
+
+def test_gemv_matches_spec_in_interpreter():
+    _interpret(GEMV)
+
+
+def test_triton_decode_path_greedy_in_interpreter():
+    _interpret(ENGINE)
