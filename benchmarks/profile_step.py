@@ -2,7 +2,7 @@
 (random-weight Qwen3 shapes, pools filled with random K/V like ``oscarkv bench``), grouped by kernel, next to
 the graph replay time and the physical floor.
 
-    PYTHONPATH=. python3 benchmarks/profile_step.py --contexts 32768,131072 --out profile.json
+    PYTHONPATH=. python3 benchmarks/profile_step.py --contexts 32768,131072 --gemv cublas,triton --out profile.json
 
 The kernel times come from torch.profiler (CUPTI) over graph replays; "gaps" is replay time minus the summed
 kernel time (launch latency between the graph's nodes, idle tails).
@@ -27,8 +27,8 @@ def short(name: str) -> str:
     """A readable group for a kernel name (cuBLAS GEMV/GEMM, our Triton/CUDA kernels, torch elementwise)."""
     n = name.lower()
     for key, label in (("oscar_decode_split", "oscar decode split (cuda)"), ("oscar_decode_merge", "oscar merge"),
-                       ("gemv", "gemv (cublas)"), ("gemm", "gemm (cublas)"), ("nvjet", "gemm (cublas nvjet)"),
-                       ("cutlass", "gemm (cutlass)"), ("index", "index/scatter (torch)"),
+                       ("_gemv_", "gemv (triton)"), ("gemv", "gemv (cublas)"), ("gemm", "gemm (cublas)"),
+                       ("nvjet", "gemm (cublas nvjet)"), ("cutlass", "gemm (cutlass)"), ("index", "index/scatter (torch)"),
                        ("elementwise", "elementwise (torch)"), ("reduce", "reduce (torch)"),
                        ("copy", "copy (torch)"), ("cat", "cat (torch)")):
         if key in n:
@@ -53,8 +53,9 @@ def profile_replays(graph, n: int = 5) -> tuple[dict, float]:
     return {k: tuple(v) for k, v in per.items()}, sum(v[1] for v in per.values())
 
 
-def step_profile(model, kv: str, ctx: int, bs: int, replays: int) -> dict:
+def step_profile(model, kv: str, ctx: int, bs: int, replays: int, gemv: str = "cublas") -> dict:
     llm = bench.build(model, kv, bs, ctx)
+    llm.model.set_gemv(gemv)  # before the graph is captured (time_decode)
     seqs = bench.fill_random(llm, bs, ctx)
     r = bench.time_decode(llm, seqs, replays)
     eng = llm.engine
@@ -66,7 +67,7 @@ def step_profile(model, kv: str, ctx: int, bs: int, replays: int) -> dict:
         g[0] += calls
         g[1] += us
     floor = (model.weight_bytes() + bench.kv_read_bytes(llm, ctx) * bs) / bench.PEAK_BW * 1e3
-    out = {"kv": kv, "context": ctx, "batch": bs, "graph_ms": r["graph_ms"], "floor_ms": floor,
+    out = {"kv": kv, "gemv": gemv, "context": ctx, "batch": bs, "graph_ms": r["graph_ms"], "floor_ms": floor,
            "kernel_busy_ms": busy / 1e3, "kernels_per_step": sum(c for c, _ in kernels.values()),
            "groups": {k: {"calls": c, "ms": us / 1e3} for k, (c, us) in sorted(groups.items(), key=lambda x: -x[1][1])},
            "kernels": {k: {"calls": c, "ms": us / 1e3} for k, (c, us) in sorted(kernels.items(), key=lambda x: -x[1][1])}}
@@ -80,6 +81,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--kv", default="bf16,oscar")
+    ap.add_argument("--gemv", default="cublas", help="comma-separated: cublas, triton (LLM(gemv=...))")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default="profile_step.json")
     args = ap.parse_args()
@@ -89,10 +91,10 @@ def main() -> int:
     res = {"provenance": bench.provenance(), "model": args.model, "weight_bytes": model.weight_bytes(), "rows": []}
     for ctx in (int(c) for c in args.contexts.split(",")):
         for bs in (int(b) for b in args.batches.split(",")):
-            for kv in args.kv.split(","):
-                row = step_profile(model, kv, ctx, bs, args.replays)
+            for kv, gemv in ((k, g) for k in args.kv.split(",") for g in args.gemv.split(",")):
+                row = step_profile(model, kv, ctx, bs, args.replays, gemv)
                 res["rows"].append(row)
-                print(f"== {args.model} {kv} ctx {ctx} bs {bs}: replay {row['graph_ms']:.3f} ms, floor "
+                print(f"== {args.model} {kv} gemv={gemv} ctx {ctx} bs {bs}: replay {row['graph_ms']:.3f} ms, floor "
                       f"{row['floor_ms']:.3f}, kernels {row['kernel_busy_ms']:.3f} ms busy in "
                       f"{row['kernels_per_step']:.0f} launches (gaps {row['graph_ms'] - row['kernel_busy_ms']:.3f})")
                 for name, g in list(row["groups"].items())[:14]:
