@@ -251,7 +251,7 @@ class GemvConfig:
 GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
-def gemv_config(M: int, N: int, K: int) -> GemvConfig:
+def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned entry for the shape if there is one, else a heuristic (compiled for sm_90, not yet timed on a
     GPU): one row "fma" 16 x 1024, 4 warps (about 80 registers: 6 programs per SM, 32 KB of weight loads in
     flight each; the input is re-read per program at 2 / 16 of the weight bytes, mostly from L1/L2); more rows
@@ -261,6 +261,8 @@ def gemv_config(M: int, N: int, K: int) -> GemvConfig:
         return GEMV_CONFIGS[(mp, N, K)]
     if mp == 1:
         return GemvConfig("fma", 16, 1024, 4, 1)
+    if dtype == torch.float32:  # fp32 "ieee" dots run on FMAs: 256-wide tiles x 4 stages spill (tests only)
+        return GemvConfig("dot", 16, 64, 4, 2)
     return GemvConfig("dot", 16, 256, 4, 4)
 
 
@@ -390,7 +392,7 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError(f"gemv: residual {tuple(residual.shape)} does not match the output {tuple(y.shape)}")
-    cfg = config or gemv_config(M, N, K)
+    cfg = config or gemv_config(M, N, K, x.dtype)
     mp = max(16, _p2(M)) if cfg.kind == "dot" else _p2(M)
     dummy = y
     args = (x, w, b if b is not None else dummy, residual if residual is not None else dummy,
