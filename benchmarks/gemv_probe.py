@@ -54,7 +54,8 @@ def tbs(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
 
 
-def probe_shape(M: int, N: int, K: int, fusion: str, sweep: bool, deadline: float) -> dict:
+def probe_shape(M: int, N: int, K: int, fusion: str, sweep: bool, budget: dict) -> dict:
+    """One shape; ``budget["left_s"]``: sweep seconds left (shared by all shapes, decremented here)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g).mul_(0.02).bfloat16()
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -86,14 +87,17 @@ def probe_shape(M: int, N: int, K: int, fusion: str, sweep: bool, deadline: floa
         best = (row["triton_ms"], repr(cfg))
         tried = []
         for c in sweep_configs(M):
-            if time.monotonic() > deadline:
+            if budget["left_s"] <= 0:
                 row["sweep_truncated"] = True
                 break
+            t = time.monotonic()
             try:
                 ms = timeit(lambda: triton_ops.gemv(x, w, config=c))
             except Exception as e:  # a tiling that does not compile or fit: skip it, keep the reason
                 tried.append({"config": repr(c), "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 continue
+            finally:
+                budget["left_s"] -= time.monotonic() - t
             tried.append({"config": repr(c), "ms": ms, "tbs": tbs(nbytes, ms)})
             if ms < best[0]:
                 best = (ms, repr(c))
@@ -110,11 +114,11 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-8b,qwen3-4b")
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--sweep", action="store_true", help="also time a list of tilings (first model only)")
-    ap.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop sweeping after this long")
+    ap.add_argument("--sweep-budget-s", type=float, default=300.0, help="seconds of sweeping in all (then stop)")
     ap.add_argument("--out", default="gemv_probe.json")
     args = ap.parse_args()
     t0 = time.monotonic()
-    deadline = t0 + args.sweep_budget_s
+    budget = {"left_s": args.sweep_budget_s}
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_tbs": READ_CEILING_TBS,
            "rows": []}
     import triton
@@ -129,7 +133,7 @@ def main() -> int:
             print(f"== {name} M={M}: {'proj':8s} {'N':>6s} {'K':>6s} | cublas us TB/s | triton us TB/s | "
                   f"fused vs cublas+op us | max err vs fp32 | best (sweep)")
             for proj, N, K, fusion in shapes(name):
-                row = probe_shape(M, N, K, fusion, args.sweep and name == models[0], deadline)
+                row = probe_shape(M, N, K, fusion, args.sweep and name == models[0], budget)
                 row.update(model=name, proj=proj)
                 res["rows"].append(row)
                 n = 1 if proj == "lm_head" else layers
