@@ -11,6 +11,7 @@ kernel time (launch latency between the graph's nodes, idle tails).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -92,7 +93,14 @@ def main() -> int:
     for ctx in (int(c) for c in args.contexts.split(",")):
         for bs in (int(b) for b in args.batches.split(",")):
             for kv, gemv in ((k, g) for k in args.kv.split(",") for g in args.gemv.split(",")):
-                row = step_profile(model, kv, ctx, bs, args.replays, gemv)
+                try:
+                    row = step_profile(model, kv, ctx, bs, args.replays, gemv)
+                except Exception as e:  # one failing configuration must not cost the others' rows
+                    print(f"== {args.model} {kv} gemv={gemv} ctx {ctx} bs {bs}: FAILED {type(e).__name__}: {e}")
+                    res["rows"].append({"kv": kv, "gemv": gemv, "context": ctx, "batch": bs, "error": repr(e)})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
                 res["rows"].append(row)
                 print(f"== {args.model} {kv} gemv={gemv} ctx {ctx} bs {bs}: replay {row['graph_ms']:.3f} ms, floor "
                       f"{row['floor_ms']:.3f}, kernels {row['kernel_busy_ms']:.3f} ms busy in "
