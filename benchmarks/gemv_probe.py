@@ -133,7 +133,13 @@ def main() -> int:
             print(f"== {name} M={M}: {'proj':8s} {'N':>6s} {'K':>6s} | cublas us TB/s | triton us TB/s | "
                   f"fused vs cublas+op us | max err vs fp32 | best (sweep)")
             for proj, N, K, fusion in shapes(name):
-                row = probe_shape(M, N, K, fusion, args.sweep and name == models[0], budget)
+                try:
+                    row = probe_shape(M, N, K, fusion, args.sweep and name == models[0], budget)
+                except Exception as e:  # report and go on: the other shapes still tell something
+                    print(f"   {proj:8s} {N:6d} {K:6d} | FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    res["rows"].append({"model": name, "proj": proj, "M": M, "N": N, "K": K, "error": repr(e)})
+                    torch.cuda.empty_cache()
+                    continue
                 row.update(model=name, proj=proj)
                 res["rows"].append(row)
                 n = 1 if proj == "lm_head" else layers
