@@ -178,8 +178,11 @@ class OscarLayer(CacheLayerMixin):
 
         B, H, g, T, d = q.shape
         st, kp = self.store, self.store.k_pool
+        # the kernel wants k_new/v_new with identical strides: clone to canonical strides (contiguous() keeps
+        # a size-1 token dimension's stride as it is, so a decode step's k and v could still differ)
+        kn, vn = (x.transpose(1, 2).clone(memory_format=torch.contiguous_format) for x in (k, v))
         return dispatch.extend_attention(
-            q.reshape(B, H * g, T, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kp.pages,
+            q.reshape(B, H * g, T, d).transpose(1, 2), kn, vn, kp.pages,
             st.v_pool.pages, kp.block_table, kp.qlen, st.k16, st.v16, st.len16, scaling,
             backend=self.kernel_backend or "auto").float()
 
