@@ -2,7 +2,22 @@
 chunk (16-bit) and fully to the earlier tokens as stored (16-bit tiers + 2-bit pages, unpacked tile by tile in
 registers, never materialised). Flash-attention style online softmax; one program = one (sequence, KV head,
 block of query rows), the rows being (token, query head of the GQA group) pairs, so one unpacked tile serves
-every query head of its KV head. Scale and offset are factored out of the products as in decode.
+every query head of its KV head.
+
+A page's scales and offsets are applied in one of two ways. ``fold="dequant"`` (default): the code tiles become
+float16 ``o + c s`` once per page (one more fma per pair inside the unpacking asm, shared by every query row), then
+plain flash attention runs on them. ``fold="factor"``: as decode, ``q . k^_t = s_t (q . c_t) + o_t sum(q)`` and
+``sum_t p_t v^_t = sum_t (p_t s_t) c_t + sum_t p_t o_t`` on the exact codes, which costs ~4 more float32
+operations per score (per query row and key) and several metadata values per thread and page; on sm_90 that
+made the page loop 728 instructions per warp instead of 472 (128 rows, 8 warps, cuobjdump of the AOT build).
+
+Field ``j`` of packed byte ``c`` is element ``j d/4 + c`` of the row ("quartered" packing), so field ``j`` of a
+``[n, d/4]`` byte tile *is* the contiguous column block ``[j d/4, (j+1) d/4)`` of the keys/values: nothing is
+interleaved. ``unpack="cat"`` (default) places the four field tiles side by side as one natural-order ``[n, d]``
+operand (a register relabelling: no data movement), so ``QK^T`` and ``P V`` are one dot each against the
+natural-order query and output; ``"fields"`` keeps them apart (``QK^T = sum_j q[:, block j] @ field_j^T``, four
+dots of K-dim ``d/4``; four ``[m, d/4]`` accumulators); ``"vcat"`` mixes the two (fields for K, one V operand);
+``"join"`` is the previous kernel (fields interleaved, queries/outputs permuted to match), kept for comparison.
 """
 
 from __future__ import annotations
@@ -13,13 +28,547 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2, pool_strides
+from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
 from .decode_triton import _fields4
 from .layout import QuantPages
+
+UNPACKS = ("cat", "vcat", "fields", "join")
+FOLDS = ("dequant", "factor")
+RESCALES = ("always", "lazy")
+PMULS = ("f16", "f32")
+LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max exceeds it by 2^3 (p <= 8)
+
+
+def _unpack_asm(bf16: bool) -> str:
+    """Inline PTX: four 2-bit fields of four packed bytes -> four pairs of exact 16-bit codes (field j of bytes
+    0..3). prmt spreads bytes 0/1 (2/3) into the two halves; lop3 ORs field j, left where it is (4^j c), into the
+    mantissa of the bias (1024 in float16, 128 in bfloat16: ulp 1); one fma scales by 4^-j and removes the bias
+    (exact), so there are no shifts. In bfloat16 bit 7 is the exponent's, so field 3 is shifted down once."""
+    one, bias = ("0x3f803f80", "0x43004300") if bf16 else ("0x3c003c00", "0x64006400")
+    # per field: (mask, scale 4^-j, -bias 4^-j) as packed 16-bit pairs
+    fields = ([("0x00030003", one, "0xc300c300"), ("0x000c000c", "0x3e803e80", "0xc200c200"),
+               ("0x00300030", "0x3d803d80", "0xc100c100"), ("0x00300030", "0x3d803d80", "0xc100c100")] if bf16 else
+              [("0x00030003", one, "0xe400e400"), ("0x000c000c", "0x34003400", "0xdc00dc00"),
+               ("0x00300030", "0x2c002c00", "0xd400d400"), ("0x00c000c0", "0x24002400", "0xcc00cc00")])
+    fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
+    lines = ["{", ".reg .b32 a, b, t, u, k, m, s, o;", "prmt.b32 a, $8, 0, 0x4140;", "prmt.b32 b, $8, 0, 0x4342;",
+             f"mov.b32 k, {bias};"]
+    for j, (mask, scale, off) in enumerate(fields):
+        lines += [f"mov.b32 m, {mask};", f"mov.b32 s, {scale};", f"mov.b32 o, {off};"]
+        src_a, src_b = "a", "b"
+        if bf16 and j == 3:
+            lines += ["shr.b32 t, a, 2;", "shr.b32 u, b, 2;"]
+            src_a, src_b = "t", "u"
+        for reg, src in ((2 * j, src_a), (2 * j + 1, src_b)):
+            lines += [f"lop3.b32 ${reg}, {src}, m, k, 0xea;", f"{fma} ${reg}, ${reg}, s, o;"]
+    return "\n".join(lines + ["}"])
+
+
+_UNPACK_F16 = tl.constexpr(_unpack_asm(False))
+_UNPACK_BF16 = tl.constexpr(_unpack_asm(True))
+
+
+def _dequant_asm() -> str:
+    """As :func:`_unpack_asm` (float16), then one more fma per pair: ``code * s + o`` with the row's scale and
+    offset (operands $9/$10 and $11/$12, float16 pairs), rounded once: the dequantized float16 tile."""
+    base = _unpack_asm(False).splitlines()
+    out = []
+    for line in base:
+        out.append(line)
+        if line.startswith("fma.rn.f16x2 $"):
+            reg = int(line.split("$")[1].split(",")[0])
+            sc, of = ("$9", "$11") if reg % 2 == 0 else ("$10", "$12")
+            out.append(f"fma.rn.f16x2 ${reg}, ${reg}, {sc}, {of};")
+    return "\n".join(out)
+
+
+_DEQUANT_F16 = tl.constexpr(_dequant_asm())
+
+
+@triton.jit
+def _unpack4(codes, CBF: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
+    """The four 2-bit fields of uint8 ``codes`` as exact codes, field ``j`` = column block ``j`` of the rows.
+    With ``ASM`` (CUDA): float16 (``CBF=0``) or bfloat16 (``CBF=1``) by magic-number unpacking; otherwise
+    integer ops converted to ``OUT`` (the interpreter, which runs the dots in float32)."""
+    if ASM:
+        if CBF:
+            f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                _UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                _UNPACK_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        x = codes.to(tl.int32)
+        f0 = (x & 3).to(OUT)
+        f1 = ((x >> 2) & 3).to(OUT)
+        f2 = ((x >> 4) & 3).to(OUT)
+        f3 = ((x >> 6) & 3).to(OUT)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _dequant4(codes, sc, of, ASM: tl.constexpr, OUT: tl.constexpr):
+    """Four dequantized float16 field tiles ``o + code * s`` of uint8 ``codes`` ``[n, D/4]``; ``sc``/``of``:
+    float16, broadcast to the codes' shape (a row's or a column's scale and offset). Returned as ``OUT``."""
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            _DEQUANT_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [codes, sc, of],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        f0, f1, f2, f3 = f0.to(OUT), f1.to(OUT), f2.to(OUT), f3.to(OUT)
+    else:  # float32 products, rounded to float16 like the fma (a double rounding only on exact ties)
+        c0, c1, c2, c3 = _unpack4(codes, 0, False, tl.float32)
+        s32 = sc.to(tl.float32)
+        o32 = of.to(tl.float32)
+        f0 = (c0 * s32 + o32).to(tl.float16).to(OUT)
+        f1 = (c1 * s32 + o32).to(tl.float16).to(OUT)
+        f2 = (c2 * s32 + o32).to(tl.float16).to(OUT)
+        f3 = (c3 * s32 + o32).to(tl.float16).to(OUT)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _cat4(f0, f1, f2, f3, R: tl.constexpr, D: tl.constexpr):
+    """Four ``[R, D/4]`` blocks -> ``[R, D]`` with column block ``j`` = ``f_j`` (natural element order)."""
+    x = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [n, c, a, b] = f_{2b+a}[n, c]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), (R, D))
+
+
+@triton.jit
+def _online(s, m_i, csc, lv, tau, LAZY: tl.constexpr):
+    """Online softmax over logits ``s`` (``csc`` converts them to log2 units). Returns the new reference max
+    (raised only past ``m_i + tau`` when ``LAZY``: weights may then reach ``2^(csc tau)``), the factor ``alpha``
+    for the old sums and the weights ``p = 2^(csc (s - m) - lv)`` (``2^lv`` = v_ref, folded in here)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if LAZY:
+        m_new = tl.where(m_new > m_i + tau, m_new, m_i)
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows fully masked so far stay at zero weight
+    alpha = tl.exp2((m_i - m_use) * csc)
+    p = tl.exp2(s * csc - (m_use * csc + lv)[:, None])
+    return m_new, alpha, p
+
+
+@triton.jit
+def _scale_acc(a0, a1, a2, a3, alpha, VCAT: tl.constexpr):
+    a0 = a0 * alpha[:, None]
+    if not VCAT:
+        a1 = a1 * alpha[:, None]
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _rescale(a0, a1, a2, a3, alpha, moved, LAZY: tl.constexpr, VCAT: tl.constexpr):
+    """The accumulators times ``alpha`` before a page's ``P V``: every page (flash attention), or with ``LAZY``
+    only when some row's reference max ``moved`` (one block-wide flag; it rarely moves after the first pages)."""
+    if LAZY:
+        if tl.max(moved.to(tl.int32), axis=0) > 0:
+            a0, a1, a2, a3 = _scale_acc(a0, a1, a2, a3, alpha, VCAT)
+    else:
+        a0, a1, a2, a3 = _scale_acc(a0, a1, a2, a3, alpha, VCAT)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, qk1, qk2, qk3, D: tl.constexpr,
+                    PS: tl.constexpr, DT: tl.constexpr, KCAT: tl.constexpr):
+    """Logits of the prescaled float16 query over one channel page (code tiles ``k_j``)."""
+    DQ: tl.constexpr = D // 4
+    c = tl.arange(0, DQ)
+    # channel page (written whole, metadata valid): dequantize the tile, normalised by its largest |k^| so
+    # that the 16-bit operand cannot overflow, and undo the normalisation on the logits
+    kmeta = page * s_kmp + h * s_kmh
+    if KCAT:
+        dcol = tl.arange(0, D)
+        ksv = tl.load(ks_ptr + kmeta + dcol).to(tl.float32)
+        kov = tl.load(ko_ptr + kmeta + dcol).to(tl.float32)
+        khat = kov[None, :] + _cat4(k0, k1, k2, k3, PS, D).to(tl.float32) * ksv[None, :]
+        kmax = tl.max(tl.maximum(tl.abs(kov), tl.abs(kov + 3.0 * ksv)), axis=0)
+        kmax = tl.where(kmax > 0.0, kmax, 1.0)
+        s = tl.dot(qk0, tl.trans((khat * (1.0 / kmax)).to(tl.float16).to(DT))) * kmax
+    else:
+        ks0 = tl.load(ks_ptr + kmeta + c).to(tl.float32)
+        ks1 = tl.load(ks_ptr + kmeta + DQ + c).to(tl.float32)
+        ks2 = tl.load(ks_ptr + kmeta + 2 * DQ + c).to(tl.float32)
+        ks3 = tl.load(ks_ptr + kmeta + 3 * DQ + c).to(tl.float32)
+        ko0 = tl.load(ko_ptr + kmeta + c).to(tl.float32)
+        ko1 = tl.load(ko_ptr + kmeta + DQ + c).to(tl.float32)
+        ko2 = tl.load(ko_ptr + kmeta + 2 * DQ + c).to(tl.float32)
+        ko3 = tl.load(ko_ptr + kmeta + 3 * DQ + c).to(tl.float32)
+        kmax = tl.maximum(tl.maximum(tl.max(tl.maximum(tl.abs(ko0), tl.abs(ko0 + 3.0 * ks0)), axis=0),
+                                     tl.max(tl.maximum(tl.abs(ko1), tl.abs(ko1 + 3.0 * ks1)), axis=0)),
+                          tl.maximum(tl.max(tl.maximum(tl.abs(ko2), tl.abs(ko2 + 3.0 * ks2)), axis=0),
+                                     tl.max(tl.maximum(tl.abs(ko3), tl.abs(ko3 + 3.0 * ks3)), axis=0)))
+        kmax = tl.where(kmax > 0.0, kmax, 1.0)
+        ik = 1.0 / kmax
+        h0 = ((ko0[None, :] + k0.to(tl.float32) * ks0[None, :]) * ik).to(tl.float16).to(DT)
+        h1 = ((ko1[None, :] + k1.to(tl.float32) * ks1[None, :]) * ik).to(tl.float16).to(DT)
+        h2 = ((ko2[None, :] + k2.to(tl.float32) * ks2[None, :]) * ik).to(tl.float16).to(DT)
+        h3 = ((ko3[None, :] + k3.to(tl.float32) * ks3[None, :]) * ik).to(tl.float16).to(DT)
+        s = tl.dot(qk0, tl.trans(h0))
+        s = tl.dot(qk1, tl.trans(h1), s)
+        s = tl.dot(qk2, tl.trans(h2), s)
+        s = tl.dot(qk3, tl.trans(h3), s)
+        s = s * kmax
+    return s
+
+
+@triton.jit
+def _page_step(
+    p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, h,
+    qk0, qk1, qk2, qk3, qsc, csc, lv, tau, m_i, l_i, osum, a0, a1, a2, a3,
+    D: tl.constexpr, PS: tl.constexpr, ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
+    CBF: tl.constexpr, KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, PMUL16: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One 2-bit page: logits ``s_t (q . c_t) + o_t sum(q)`` (token pages) or ``q . k^_t`` over the dequantized
+    tile (channel pages), online softmax, ``P diag(s_v) / v_ref`` (float16) times the V codes plus
+    ``sum_t p_t o_t``. ``MASKED``: the sequence's last, partial page (metadata past ``ntok`` may be NaN)."""
+    DQ: tl.constexpr = D // 4
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = tl.float16
+    n = tl.arange(0, PS)
+    c = tl.arange(0, DQ)
+    crow = page * s_cp + h * s_ch + n * DQ
+    row = page * s_mp + h * s_mh + n
+    k0, k1, k2, k3 = _unpack4(tl.load(kc_ptr + crow[:, None] + c[None, :]), CBF, ASM, DT)
+    if KCH:
+        s = _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, qk1, qk2, qk3, D, PS, DT,
+                            KCAT)
+    else:
+        if KCAT:
+            s = tl.dot(qk0, tl.trans(_cat4(k0, k1, k2, k3, PS, D)))
+        else:
+            s = tl.dot(qk0, tl.trans(k0))
+            s = tl.dot(qk1, tl.trans(k1), s)
+            s = tl.dot(qk2, tl.trans(k2), s)
+            s = tl.dot(qk3, tl.trans(k3), s)
+        # unmasked (the page is allocated whole), so the loads stay contiguous and vectorised
+        ks = tl.load(ks_ptr + row).to(tl.float32)
+        ko = tl.load(ko_ptr + row).to(tl.float32)
+        s = s * ks[None, :] + qsc[:, None] * ko[None, :]
+    if PMUL16:
+        vs = tl.load(vs_ptr + row).to(tl.float16)
+    else:
+        vs = tl.load(vs_ptr + row).to(tl.float32)
+    vo = tl.load(vo_ptr + row).to(tl.float32)
+    if MASKED:
+        tmask = p * PS + n < ntok
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        vs = tl.where(tmask, vs, 0.0)
+        vo = tl.where(tmask, vo, 0.0)
+    m_new, alpha, pr = _online(s, m_i, csc, lv, tau, LAZY)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    osum = osum * alpha + tl.sum(pr * vo[None, :], axis=1)
+    if PMUL16:  # two float16 roundings (p, then p s_v) instead of one
+        pv = (pr.to(tl.float16) * vs[None, :]).to(DT)
+    else:
+        pv = (pr * vs[None, :]).to(tl.float16).to(DT)
+    v0, v1, v2, v3 = _unpack4(tl.load(vc_ptr + crow[:, None] + c[None, :]), 0, ASM, DT)
+    a0, a1, a2, a3 = _rescale(a0, a1, a2, a3, alpha, m_new != m_i, LAZY, VCAT)
+    if VCAT:
+        a0 = tl.dot(pv, _cat4(v0, v1, v2, v3, PS, D).to(DT), a0)
+    else:
+        a0 = tl.dot(pv, v0.to(DT), a0)
+        a1 = tl.dot(pv, v1.to(DT), a1)
+        a2 = tl.dot(pv, v2.to(DT), a2)
+        a3 = tl.dot(pv, v3.to(DT), a3)
+    return m_new, l_i, osum, a0, a1, a2, a3
+
+
+@triton.jit
+def _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS: tl.constexpr, KROWS: tl.constexpr):
+    """One page's per-token scales and offsets of K (``KROWS``: token pages) and V as float16 ``[PS]``."""
+    row = page * s_mp + h * s_mh + tl.arange(0, PS)
+    if KROWS:
+        ks = tl.load(ks_ptr + row).to(tl.float16)
+        ko = tl.load(ko_ptr + row).to(tl.float16)
+    else:
+        ks = tl.zeros([PS], tl.float16)
+        ko = ks
+    vs = tl.load(vs_ptr + row).to(tl.float16)
+    vo = tl.load(vo_ptr + row).to(tl.float16)
+    return ks, ko, vs, vo
+
+
+@triton.jit
+def _page_step_dq(
+    p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+    qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3,
+    D: tl.constexpr, PS: tl.constexpr, ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
+    KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One 2-bit page, ``fold="dequant"``: the code tiles become float16 ``o + c s`` once per page (the
+    dequantization rides in the unpacking asm: one more fma per pair, shared by every query row), then plain
+    flash attention on them: no per-score scale/offset work. ``ksr``..``vor``: this page's row metadata,
+    loaded a page ahead. Channel-page keys use their own (normalised) dequantization."""
+    DQ: tl.constexpr = D // 4
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = tl.float16
+    n = tl.arange(0, PS)
+    c = tl.arange(0, DQ)
+    crow = page * s_cp + h * s_ch + n * DQ
+    kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
+    if MASKED:  # metadata past the sequence end may be NaN: the values' must not reach the product
+        tmask = p * PS + n < ntok
+        vsr = tl.where(tmask, vsr, 0.0)
+        vor = tl.where(tmask, vor, 0.0)
+    if KCH:
+        k0, k1, k2, k3 = _unpack4(kc, 0, ASM, DT)
+        s = _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, qk1, qk2, qk3, D, PS, DT,
+                            KCAT)
+    else:
+        k0, k1, k2, k3 = _dequant4(kc, tl.broadcast_to(ksr[:, None], (PS, DQ)),
+                                   tl.broadcast_to(kor[:, None], (PS, DQ)), ASM, DT)
+        if KCAT:
+            s = tl.dot(qk0, tl.trans(_cat4(k0, k1, k2, k3, PS, D)))
+        else:
+            s = tl.dot(qk0, tl.trans(k0))
+            s = tl.dot(qk1, tl.trans(k1), s)
+            s = tl.dot(qk2, tl.trans(k2), s)
+            s = tl.dot(qk3, tl.trans(k3), s)
+    if MASKED:
+        s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new, alpha, pr = _online(s, m_i, csc, 0.0, tau, LAZY)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    pv = pr.to(tl.float16).to(DT)
+    v0, v1, v2, v3 = _dequant4(tl.load(vc_ptr + crow[:, None] + c[None, :]), tl.broadcast_to(vsr[:, None], (PS, DQ)),
+                               tl.broadcast_to(vor[:, None], (PS, DQ)), ASM, DT)
+    a0, a1, a2, a3 = _rescale(a0, a1, a2, a3, alpha, m_new != m_i, LAZY, VCAT)
+    if VCAT:
+        a0 = tl.dot(pv, _cat4(v0, v1, v2, v3, PS, D), a0)
+    else:
+        a0 = tl.dot(pv, v0, a0)
+        a1 = tl.dot(pv, v1, a1)
+        a2 = tl.dot(pv, v2, a2)
+        a3 = tl.dot(pv, v3, a3)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _dense_step(
+    k_ptr, v_ptr, base, t0, n_hi, s_t, tq, qd0, qd1, qd2, qd3, csc, lv, m_i, l_i, osum, a0, a1, a2, a3,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, KCAT: tl.constexpr, VCAT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` 16-bit keys/values (rows ``t0 + i < n_hi``; ``CAUSAL``: also ``t <= tq``)."""
+    DQ: tl.constexpr = D // 4
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = k_ptr.dtype.element_ty
+    t = t0 + tl.arange(0, BLOCK_N)
+    tm = t < n_hi
+    off = base + t.to(tl.int64)[:, None] * s_t
+    c = tl.arange(0, DQ)
+    if KCAT:
+        k = tl.load(k_ptr + off + tl.arange(0, D)[None, :], mask=tm[:, None], other=0.0)
+        s = tl.dot(qd0, tl.trans(k.to(DT)))
+    else:
+        s = tl.dot(qd0, tl.trans(tl.load(k_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT)))
+        s = tl.dot(qd1, tl.trans(tl.load(k_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT)), s)
+        s = tl.dot(qd2, tl.trans(tl.load(k_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT)), s)
+        s = tl.dot(qd3, tl.trans(tl.load(k_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT)), s)
+    if CAUSAL:
+        s = tl.where((t[None, :] <= tq[:, None]) & tm[None, :], s, float("-inf"))
+    else:
+        s = tl.where(tm[None, :], s, float("-inf"))
+    m_i, alpha, pr = _online(s, m_i, csc, lv, 0.0, False)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    osum = osum * alpha
+    p16 = pr.to(v_ptr.dtype.element_ty).to(DT)
+    if VCAT:
+        v = tl.load(v_ptr + off + tl.arange(0, D)[None, :], mask=tm[:, None], other=0.0)
+        a0 = tl.dot(p16, v.to(DT), a0 * alpha[:, None])
+    else:
+        a0 = tl.dot(p16, tl.load(v_ptr + off + c[None, :], mask=tm[:, None], other=0.0).to(DT), a0 * alpha[:, None])
+        a1 = tl.dot(p16, tl.load(v_ptr + off + DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a1 * alpha[:, None])
+        a2 = tl.dot(p16, tl.load(v_ptr + off + 2 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a2 * alpha[:, None])
+        a3 = tl.dot(p16, tl.load(v_ptr + off + 3 * DQ + c[None, :], mask=tm[:, None], other=0.0).to(DT),
+                    a3 * alpha[:, None])
+    return m_i, l_i, osum, a0, a1, a2, a3
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
+    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
+    k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
+    T, HKV, sm_scale,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr, QNAT: tl.constexpr, CBF: tl.constexpr,
+    KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, PMUL16: tl.constexpr, TAU: tl.constexpr,
+    DENSE_STAGES: tl.constexpr, DEQ: tl.constexpr,
+):
+    """``DEQ``: ``fold="dequant"`` (:func:`_page_step_dq`), else the scale/offset factoring (:func:`_page_step`).
+    ``KCAT``/``VCAT``: keys/values as one natural-order ``[n, D]`` operand (else four field blocks).
+    ``QNAT`` (token pages only): the query enters the dots unscaled in its own dtype (exact; codes in that dtype,
+    ``CBF`` = bfloat16) and ``sm_scale log2(e)`` goes into the exponent; else it is prescaled and rounded to
+    float16 for the code dot (as channel pages need) and to the 16-bit tiers' dtype for theirs. With the
+    factoring, all sums are kept in units of ``v_ref`` = the first page's largest V scale rounded up to a power
+    of two (>= 2^-6), so that ``P s_v / v_ref`` fits float16; it cancels in the final division."""
+    TOK_M: tl.constexpr = BLOCK_M // G
+    DQ: tl.constexpr = D // 4
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if F32DOT:
+        DT: tl.constexpr = tl.float32
+        DT16: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = tl.float16
+        DT16: tl.constexpr = k16_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    r = tl.arange(0, BLOCK_M)
+    tq = pid_m * TOK_M + r // G
+    hq = h * G + r % G
+    rmask = (tq < T) & (r < TOK_M * G)
+    c = tl.arange(0, DQ)
+    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
+    scale = sm_scale * LOG2E
+    if KCAT:
+        x0 = tl.load(qrow + tl.arange(0, D)[None, :], mask=rmask[:, None], other=0.0)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+    else:
+        x0 = tl.load(qrow + c[None, :], mask=rmask[:, None], other=0.0)
+        x1 = tl.load(qrow + DQ + c[None, :], mask=rmask[:, None], other=0.0)
+        x2 = tl.load(qrow + 2 * DQ + c[None, :], mask=rmask[:, None], other=0.0)
+        x3 = tl.load(qrow + 3 * DQ + c[None, :], mask=rmask[:, None], other=0.0)
+    if DEQ and not KCH:
+        # dequantized float16 keys: q enters unscaled as float16 (exact for a bfloat16 q in float16's range)
+        qk0, qk1, qk2, qk3 = x0.to(DT), x1.to(DT), x2.to(DT), x3.to(DT)
+        qd0, qd1, qd2, qd3 = x0.to(DT16), x1.to(DT16), x2.to(DT16), x3.to(DT16)
+        csc = scale
+        qsc = tl.zeros([BLOCK_M], tl.float32)
+    elif QNAT:
+        # q . c is exact in q's own dtype; the logits stay unscaled and the exponent applies sm_scale log2(e)
+        if F32DOT:
+            qk0, qk1, qk2, qk3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        else:
+            qk0, qk1, qk2, qk3 = x0, x1, x2, x3
+        qd0, qd1, qd2, qd3 = x0.to(DT16), x1.to(DT16), x2.to(DT16), x3.to(DT16)
+        csc = scale
+        if KCAT:
+            qsc = tl.sum(x0.to(tl.float32), axis=1)
+        else:
+            qsc = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32), axis=1)
+    else:
+        y0, y1, y2, y3 = x0.to(tl.float32) * scale, x1.to(tl.float32) * scale, x2.to(tl.float32) * scale, \
+            x3.to(tl.float32) * scale
+        h0, h1, h2, h3 = y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16)
+        qk0, qk1, qk2, qk3 = h0.to(DT), h1.to(DT), h2.to(DT), h3.to(DT)
+        qd0, qd1, qd2, qd3 = y0.to(DT16), y1.to(DT16), y2.to(DT16), y3.to(DT16)
+        csc = 1.0
+        if KCAT:
+            qsc = tl.sum(h0.to(tl.float32), axis=1)
+        else:
+            qsc = tl.sum(h0.to(tl.float32) + h1.to(tl.float32) + h2.to(tl.float32) + h3.to(tl.float32), axis=1)
+    tau = TAU / csc  # the lazy threshold in logit units
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    osum = tl.zeros([BLOCK_M], tl.float32)
+    if VCAT:
+        a0 = tl.zeros([BLOCK_M, D], tl.float32)
+        a1 = tl.zeros([1, 1], tl.float32)
+        a2 = a1
+        a3 = a1
+    else:
+        a0 = tl.zeros([BLOCK_M, DQ], tl.float32)
+        a1 = tl.zeros([BLOCK_M, DQ], tl.float32)
+        a2 = tl.zeros([BLOCK_M, DQ], tl.float32)
+        a3 = tl.zeros([BLOCK_M, DQ], tl.float32)
+    # 1) the 2-bit pages, one page per step, full pages unmasked, the partial one last
+    n = tl.arange(0, PS)
+    ntok = tl.load(qlen_ptr + b)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    nfull = ntok // PS
+    npages = tl.cdiv(ntok, PS)
+    # page ids are read one page ahead, so the code and metadata loads of a page depend on a value loaded an
+    # iteration earlier and the loop pipeliner can issue them early (not behind a block-table load)
+    page = tl.load(bt_row, mask=npages > 0, other=0).to(tl.int64)
+    if DEQ:
+        lv = 0.0
+        # (page 0 stands in past the last page: every pool holds one; an empty pool is never read)
+        ksr = tl.zeros([PS], tl.float16)
+        kor = ksr
+        vsr = ksr
+        vor = ksr
+        if npages > 0:
+            ksr, kor, vsr, vor = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS, not KCH)
+        for p in range(0, nfull):
+            page_next = tl.load(bt_row + p + 1, mask=p + 1 < npages, other=0).to(tl.int64)
+            # the next page's row metadata, in registers: in flight during this page (a few values per thread)
+            ks_n, ko_n, vs_n, vo_n = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page_next, h, s_mp, s_mh, PS,
+                                                not KCH)
+            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
+                p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
+                False)
+            page = page_next
+            ksr, kor, vsr, vor = ks_n, ko_n, vs_n, vo_n
+        if nfull * PS < ntok:
+            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
+                nfull, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
+                True)
+    else:
+        lv = 0.0
+        if ntok > 0:
+            page0 = tl.load(bt_row).to(tl.int64)
+            vs0 = tl.load(vs_ptr + page0 * s_mp + h * s_mh + n, mask=n < ntok, other=0.0).to(tl.float32)
+            lv = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.max(vs0, axis=0))), -6.0), 15.0)
+        for p in range(0, nfull):
+            page_next = tl.load(bt_row + p + 1, mask=p + 1 < npages, other=0).to(tl.int64)
+            m_i, l_i, osum, a0, a1, a2, a3 = _page_step(
+                p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp,
+                s_mh, h, qk0, qk1, qk2, qk3, qsc, csc, lv, tau, m_i, l_i, osum, a0, a1, a2, a3,
+                D, PS, ASM, F32DOT, KCH, CBF, KCAT, VCAT, LAZY, PMUL16, False)
+            page = page_next
+        if nfull * PS < ntok:
+            m_i, l_i, osum, a0, a1, a2, a3 = _page_step(
+                nfull, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp,
+                s_mh, h, qk0, qk1, qk2, qk3, qsc, csc, lv, tau, m_i, l_i, osum, a0, a1, a2, a3,
+                D, PS, ASM, F32DOT, KCH, CBF, KCAT, VCAT, LAZY, PMUL16, True)
+    # 2) the 16-bit tiers (sink + recent), then 3) the chunk itself, causally
+    n16 = tl.load(len16_ptr + b)
+    base16 = b.to(tl.int64) * s16b + h * s16h
+    for t0 in tl.range(0, n16, BLOCK_N, num_stages=DENSE_STAGES):
+        m_i, l_i, osum, a0, a1, a2, a3 = _dense_step(
+            k16_ptr, v16_ptr, base16, t0, n16, s16t, tq, qd0, qd1, qd2, qd3, csc, lv, m_i, l_i, osum,
+            a0, a1, a2, a3, D, BLOCK_N, F32DOT, KCAT, VCAT, False)
+    basen = b.to(tl.int64) * sn_b + h * sn_h
+    hi = tl.minimum(T, (pid_m + 1) * TOK_M)
+    for t0 in tl.range(0, hi, BLOCK_N, num_stages=DENSE_STAGES):
+        m_i, l_i, osum, a0, a1, a2, a3 = _dense_step(
+            kn_ptr, vn_ptr, basen, t0, T, sn_t, tq, qd0, qd1, qd2, qd3, csc, lv, m_i, l_i, osum,
+            a0, a1, a2, a3, D, BLOCK_N, F32DOT, KCAT, VCAT, True)
+    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+    oo = (osum * inv)[:, None]
+    optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h
+    ot = out_ptr.dtype.element_ty
+    if VCAT:
+        tl.store(optr + tl.arange(0, D)[None, :], (a0 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
+    else:
+        tl.store(optr + c[None, :], (a0 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
+        tl.store(optr + DQ + c[None, :], (a1 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
+        tl.store(optr + 2 * DQ + c[None, :], (a2 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
+        tl.store(optr + 3 * DQ + c[None, :], (a3 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
 
 
 @triton.jit
 def _softmax_step(s, m_i, l_i):
+    """The join kernel's online-softmax step (log2-domain logits, weights <= 1)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows fully masked so far stay at zero weight
     alpha = tl.exp2(m_i - m_use)
@@ -36,7 +585,7 @@ def _codes_tile(codes, PS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _extend_kernel(
+def _extend_join_kernel(
     q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
     k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
@@ -44,6 +593,8 @@ def _extend_kernel(
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
 ):
+    """The previous kernel (``unpack="join"``): the four fields joined into one interleaved ``[PS, D]``
+    operand, queries and outputs permuted to match."""
     TOK_M: tl.constexpr = BLOCK_M // G
     DQ: tl.constexpr = D // 4
     pid_m = tl.program_id(0)
@@ -69,8 +620,6 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     osum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # 1) the 2-bit pages, one page per step; scale/offset factored out of both products, P * s_v / v_ref in
-    # float16 (v_ref: the first page's largest V scale, at least 2^-6, so 16-bit P / v_ref stays in range)
     n = tl.arange(0, PS)
     c = tl.arange(0, DQ)
     ntok = tl.load(qlen_ptr + b)
@@ -88,8 +637,6 @@ def _extend_kernel(
         tmask = p * PS + n < ntok
         kt = _codes_tile(tl.load(kc_ptr + crow[:, None] + c[None, :]), PS, D, ASM)
         if KCH:
-            # channel page (written whole, metadata valid): dequantize the tile, normalised by its largest
-            # |k^| so that the 16-bit operand cannot overflow, and undo the normalisation on the logits
             kmeta = page * s_kmp + h * s_kmh + perm
             ksv = tl.load(ks_ptr + kmeta).to(tl.float32)
             kov = tl.load(ko_ptr + kmeta).to(tl.float32)
@@ -110,7 +657,6 @@ def _extend_kernel(
         pv = (pr * (vs * ivref)[None, :]).to(tl.float16).to(DT)
         vt = _codes_tile(tl.load(vc_ptr + crow[:, None] + c[None, :]), PS, D, ASM).to(DT)
         acc = tl.dot(pv, vt, acc * alpha[:, None])
-    # 2) the 16-bit tiers (sink + recent), then 3) the chunk itself, causally
     kv = tl.arange(0, BLOCK_N)
     n16 = tl.load(len16_ptr + b)
     base16 = b.to(tl.int64) * s16b + h * s16h
@@ -144,16 +690,35 @@ def _extend_kernel(
     tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
 def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    out: Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+    out: Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+    dense_stages: int = 2, fold: str = "dequant", unpack: str = "cat", qnative: bool | None = None,
+    rescale: str = "always", pmul: str = "f16", maxnreg: int = 0,
 ) -> Tensor:
     """Chunk attention over a quantized prefix; semantics of
     :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new
     ``[B, T, Hkv, d]``; returns ``[B, T, Hq, d]`` (dtype of q unless ``out`` is given). Keys may be in
     channel pages (each page holding a live token written whole): the tile is dequantized with the page's
-    per-channel scale/offset before the product."""
+    per-channel scale/offset before the product.
+
+    Tuning (results agree within the error budget): ``block_m`` query rows ((token, GQA head) pairs) per
+    program; ``block_n`` 16-bit keys per tile (2-bit tiles are one page); ``num_warps``; ``num_stages``
+    (software pipelining of the page loop's loads) and ``dense_stages`` (of the 16-bit loops); ``maxnreg``
+    (register cap, 0 = none). Variants (not ``"join"``): ``fold`` (``"dequant"``: each page's code tiles are
+    dequantized to float16 once, shared by all query rows, and attention runs on them; ``"factor"``: scale and
+    offset factored out of both products, applied per score); ``unpack`` (module docstring); ``rescale``
+    (``"lazy"``: the running max moves only by more than 2^3 and the accumulator rescale is skipped, behind one
+    block-wide flag, when no row's max moved; ``"always"``: every page, as flash attention). ``"factor"``
+    only: ``qnative`` (token pages: the query enters the code dot unscaled in its own dtype, default True;
+    False prescales it to float16 as channel pages always do) and ``pmul`` (``"f16"``: ``P s_v`` multiplied
+    in float16, ``"f32"``: in float32 then rounded).
+    """
     B, T, hq, d = q.shape
     fmt = k_pages.fmt
     dev = q.device
@@ -174,6 +739,16 @@ def extend_attention_triton(
     check_pool_strides(k_pages, v_pages, dev)
     if k16.stride(3) != 1 or v16.stride() != k16.stride() or k_new.stride(3) != 1 or v_new.stride() != k_new.stride():
         raise ValueError("k16/v16 and k_new/v_new must have unit last stride and equal strides")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if unpack not in UNPACKS or rescale not in RESCALES or pmul not in PMULS or fold not in FOLDS:
+        raise ValueError(f"unpack must be one of {UNPACKS}, rescale one of {RESCALES}, pmul one of {PMULS}, fold "
+                         f"one of {FOLDS}; got {unpack!r}, {rescale!r}, {pmul!r}, {fold!r}")
+    if not (_pow2(block_m) and _pow2(block_n) and block_m >= 16 and block_n >= 16):
+        raise ValueError(f"block_m and block_n must be powers of two >= 16, got {block_m}, {block_n}")
+    if num_stages < 1 or dense_stages < 1 or maxnreg < 0:
+        raise ValueError(f"num_stages and dense_stages must be >= 1 and maxnreg >= 0, got {num_stages}, "
+                         f"{dense_stages}, {maxnreg}")
     g = hq // fmt.num_kv_heads
     if g > block_m:
         raise ValueError(f"GQA group {g} larger than block_m {block_m}")
@@ -183,17 +758,29 @@ def extend_attention_triton(
         out = torch.empty(B, T, hq, d, dtype=q.dtype, device=dev)
     tok_m = block_m // g
     grid = (triton.cdiv(T, tok_m), B * fmt.num_kv_heads)
-    _extend_kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1), q.stride(2), k_new, v_new, k_new.stride(0), k_new.stride(1),
         k_new.stride(2), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale,
         v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table,
         block_table.stride(0), qlen, k16, v16, k16.stride(0), k16.stride(1), k16.stride(2), len16, out,
         out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
         float(d**-0.5 if sm_scale is None else sm_scale),
-        G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interpreting(),
-        F32DOT=interpreting(), KCH=fmt.channel, num_warps=num_warps, num_stages=num_stages,
+    )
+    interp = interpreting()
+    cap = {"maxnreg": int(maxnreg)} if maxnreg and not interp else {}
+    if unpack == "join":  # the previous kernel: fold, qnative, rescale and pmul do not apply
+        _extend_join_kernel[grid](*args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  ASM=not interp, F32DOT=interp, KCH=fmt.channel, num_warps=num_warps,
+                                  num_stages=num_stages, **cap)
+        return out
+    qnat = (True if qnative is None else bool(qnative)) and not fmt.channel
+    _extend_kernel[grid](
+        *args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interp, F32DOT=interp,
+        KCH=fmt.channel, QNAT=qnat, CBF=qnat and q.dtype == torch.bfloat16, KCAT=unpack == "cat",
+        VCAT=unpack in ("vcat", "cat"), LAZY=rescale == "lazy", PMUL16=pmul == "f16", TAU=LAZY_TAU,
+        DENSE_STAGES=dense_stages, DEQ=fold == "dequant", num_warps=num_warps, num_stages=num_stages, **cap,
     )
     return out
 
 
-__all__ = ["extend_attention_triton"]
+__all__ = ["FOLDS", "PMULS", "RESCALES", "UNPACKS", "extend_attention_triton"]

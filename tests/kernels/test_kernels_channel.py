@@ -213,6 +213,25 @@ def test_channel_extend_matches_float64_reference(case):
     assert rel_err(out, ref) < {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dt]
 
 
+@pytest.mark.parametrize("variant", [{"fold": "factor"}, {"unpack": "fields"}, {"unpack": "vcat"},
+                                     {"rescale": "lazy"}, {"unpack": "join"}],
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("case", EXT_CASES if not GPU else EXT_CASES[1:])
+def test_channel_extend_variants(case, variant):
+    """Channel-page keys go through every extend variant (their tiles are always dequantized per channel; the
+    variant changes the values' path, the layout and the rescale)."""
+    B, hkv, g, d, ps, lens, lens16, c16, T, dt = case
+    kp, vp, bt, ql, k16, v16, l16 = build_cache(B, hkv, g, d, ps, lens, lens16, c16, dtype16=dt,
+                                                key_layout="channel")
+    q = torch.randn(B, T, hkv * g, d, device=DEVICE, dtype=dt)
+    kn = torch.randn(B, T, hkv, d, device=DEVICE, dtype=dt)
+    vn = torch.randn(B, T, hkv, d, device=DEVICE, dtype=dt)
+    out = extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, block_m=32 if not GPU else 64,
+                                  block_n=16 if not GPU else 64, **variant)
+    ref = extend_attention_ref(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)
+    assert rel_err(out, ref) < {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dt]
+
+
 def test_channel_dispatch_routing():
     from oscarkv.kernels import decode_cuda
 
