@@ -739,8 +739,8 @@ def extend_attention_triton(
     check_pool_strides(k_pages, v_pages, dev)
     if k16.stride(3) != 1 or v16.stride() != k16.stride() or k_new.stride(3) != 1 or v_new.stride() != k_new.stride():
         raise ValueError("k16/v16 and k_new/v_new must have unit last stride and equal strides")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if unpack not in UNPACKS or rescale not in RESCALES or pmul not in PMULS or fold not in FOLDS:
         raise ValueError(f"unpack must be one of {UNPACKS}, rescale one of {RESCALES}, pmul one of {PMULS}, fold "
                          f"one of {FOLDS}; got {unpack!r}, {rescale!r}, {pmul!r}, {fold!r}")
@@ -756,6 +756,9 @@ def extend_attention_triton(
         q = q.contiguous()
     if out is None:
         out = torch.empty(B, T, hq, d, dtype=q.dtype, device=dev)
+    sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
+    if q.dtype == torch.float32:  # the dots take 16-bit queries: prescale (as the previous kernel did) to float16
+        q, sm_scale = (q * sm_scale).to(torch.float16), 1.0
     tok_m = block_m // g
     grid = (triton.cdiv(T, tok_m), B * fmt.num_kv_heads)
     args = (
@@ -763,8 +766,7 @@ def extend_attention_triton(
         k_new.stride(2), k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale,
         v_pages.offset, *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table,
         block_table.stride(0), qlen, k16, v16, k16.stride(0), k16.stride(1), k16.stride(2), len16, out,
-        out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads,
-        float(d**-0.5 if sm_scale is None else sm_scale),
+        out.stride(0), out.stride(1), out.stride(2), T, fmt.num_kv_heads, sm_scale,
     )
     interp = interpreting()
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interp else {}

@@ -99,6 +99,18 @@ def test_extend_matches_float64_reference(case):
     assert rel_err(out, ref) < BUDGET[dt]
 
 
+def test_extend_accepts_float32_queries():
+    """float32 queries (the transformers cache's) are prescaled to float16 by the launcher; float32 output."""
+    B, hkv, g, d, ps, lens, lens16, c16, T = 2, 2, 4, 64, 16, [37, 5], [5, 9], 20, 7
+    kp, vp, bt, ql, k16, v16, l16 = build_cache(B, hkv, g, d, ps, lens, lens16, c16, dtype16=torch.float16)
+    q = torch.randn(B, T, hkv * g, d, device=DEVICE) * 4
+    kn, vn = (torch.randn(B, T, hkv, d, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    out = extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, block_m=32 if not GPU else 64,
+                                  block_n=16 if not GPU else 64)
+    ref = extend_attention_ref(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < BUDGET[torch.float16]
+
+
 # the variants the benchmark probe (benchmarks/extend_probe.py) compares; the default is {}
 EXT_VARIANTS = [
     {}, {"unpack": "fields"}, {"unpack": "vcat"}, {"rescale": "lazy"}, {"fold": "factor"},
