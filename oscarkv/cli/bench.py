@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-gb", type=float, default=90.0, help="KV budget for the throughput sweep (GiB)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--skip-correctness", action="store_true")
+    p.add_argument("--gemv", default="cublas", choices=("cublas", "triton"),
+                   help="decode GEMV of the engine (LLM(gemv=...)) in the timed suites")
     p.add_argument("--out", default="e2e.json", help="JSON results file")
 
 
@@ -53,7 +55,7 @@ def provenance() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- set-up
-def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64):
+def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "cublas"):
     """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens."""
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
@@ -72,7 +74,7 @@ def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64):
         spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
         calib = Calibration.identity(identity_of(cfg), spec, clip=0.96)
     return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=n_seqs, max_model_len=n,
-               monitor_every=0)
+               monitor_every=0, gemv=gemv)
 
 
 def fill_random(llm, n_seqs: int, ctx: int):
@@ -157,12 +159,12 @@ def release(llm) -> None:
 
 
 # ------------------------------------------------------------------------------------------- suites
-def latency(model, contexts: list[int], replays: int, log) -> list[dict]:
+def latency(model, contexts: list[int], replays: int, log, gemv: str = "cublas") -> list[dict]:
     rows = []
     wbytes = model.weight_bytes()
     for ctx in contexts:
         for kv in ("bf16", "oscar"):
-            llm = build(model, kv, 1, ctx)
+            llm = build(model, kv, 1, ctx, gemv=gemv)
             seqs = fill_random(llm, 1, ctx)
             r = time_decode(llm, seqs, replays)
             floor = (wbytes + kv_read_bytes(llm, ctx)) / PEAK_BW * 1e3
@@ -186,12 +188,12 @@ def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
     return int(budget_gb * 2**30 // per)
 
 
-def throughput(model, ctx: int, budget_gb: float, replays: int, log) -> list[dict]:
+def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "cublas") -> list[dict]:
     rows = []
     for kv in ("bf16", "oscar"):
         top = max_seqs(model, kv, ctx, budget_gb)
         for bs in sorted({b for b in (1, 8, top) if b <= top}):
-            llm = build(model, kv, bs, ctx)
+            llm = build(model, kv, bs, ctx, gemv=gemv)
             r = time_decode(llm, fill_random(llm, bs, ctx), replays)
             r.update(kv=kv, context=ctx, budget_gb=budget_gb, max_batch_in_budget=top,
                      tokens_per_s=bs / r["graph_ms"] * 1e3)
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite)")
     log = lambda s: print(s, flush=True)  # noqa: E731
-    res: dict = {"provenance": provenance(), "note": "random weights; long contexts filled with random K/V, "
+    res: dict = {"provenance": provenance(), "gemv": args.gemv, "note": "random weights; long contexts filled with random K/V, "
                  "not prefilled; decode timed as CUDA-graph replays", "peak_bw": PEAK_BW, "models": {}}
     def guarded(name, fn, *a):  # one failing suite must not lose the others' results
         try:
@@ -316,10 +318,10 @@ def run(args: argparse.Namespace) -> int:
         entry = {"weight_bytes": model.weight_bytes(),
                  "memory": guarded("memory", memory, model, args.throughput_context)}
         ctxs = contexts if name in full else [c for c in contexts if c in (32768, 102400)]
-        entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log)
+        entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log, args.gemv)
         if name in full:
             entry["throughput"] = guarded("throughput", throughput, model, args.throughput_context, args.budget_gb,
-                                          max(1, args.replays // 3), log)
+                                          max(1, args.replays // 3), log, args.gemv)
         res["models"][name] = entry
         del model
         torch.cuda.empty_cache()

@@ -161,14 +161,15 @@ def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
 def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "fused",
+    plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "kernel",
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
     groups go to the Triton kernel). ``fused``: both tiers in one launch, else one launch per tier (default:
     fused for at most 64 (sequence, KV head) pairs, where the extra launch costs more than the registers).
-    ``merge``: ``"fused"`` (the last split of each (sequence, KV head) to finish combines the partials, through
-    the plan's ticket counters: no second launch) or ``"kernel"`` (a separate merge kernel)."""
+    ``merge``: ``"kernel"`` (a separate merge kernel, the default: measured faster at batch <= 8 and equal
+    above, docs/results/kernels_h200.md) or ``"fused"`` (the last split of each (sequence, KV head) to finish
+    combines the partials through the plan's ticket counters: no second launch, but a serial tail)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     B, hq, d = q.shape
