@@ -163,3 +163,270 @@ def test_codes_exact_at_rounding_ties():
     quantize_write_ref(vr, x.cpu() * 0.5, slots.cpu())
     _assert_same(kp, kr)
     _assert_same(vp, vr)
+
+
+# ------------------------------------------------------------------ formulations of the fast kernel (issue: speed)
+def _round_trip(x, k_clip, v_clip, variant=(), bits=2, group=None, meta=torch.float16, n_pages=None, v=None):
+    """Write ``x`` (K) and ``v`` (V; default ``-x``) through the kernel and the reference into independent
+    poisoned pools (random slots, one padding row) and assert bit equality."""
+    n, hkv, d = x.shape
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=16, bits=bits, group_size=group, meta_dtype=meta)
+    npages = n_pages or n // 8 + 2
+    kp, vp = _pools(fmt, npages)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    v = -x if v is None else v
+    slots = _slots(n, fmt, npages)
+    quantize_write_triton(kp, vp, x.to(DEVICE), v.to(DEVICE), slots, k_clip=k_clip, v_clip=v_clip, variant=variant)
+    quantize_write_ref(kr, x.cpu(), slots.cpu(), clip_ratio=k_clip)
+    quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=v_clip)
+    _assert_same(kp, kr)
+    _assert_same(vp, vr)
+
+
+def _tie_rows(n, hkv, d, dtype):
+    """Gaussian rows, some rounded (ties everywhere), one with a single repeated maximum, one constant."""
+    x = torch.randn(n, hkv, d) * 3
+    x[1::3] = x[1::3].round()
+    x[2, 0] = torch.tensor([0.0, 1.0, -1.0, 2.0])[torch.randint(0, 4, (d,))]
+    x[0, -1] = 0.75
+    return x.to(dtype)
+
+
+def test_code_boundaries_are_the_rounding_thresholds():
+    """The 2-bit codes compare v = div_rn(x - lo, s) with pred(0.5), 1.5, 2.5: equal to the reference
+    clamp(floor(RN(v + 0.5)), 0, 3) on both sides of every boundary (both sides are monotone in v, so the
+    boundaries decide everything), and on a sample of all magnitudes."""
+    from oscarkv.kernels.quantize_triton import _U1
+
+    u1 = torch.tensor(0.5).view(torch.int32) - 1
+    assert torch.tensor(_U1.value, dtype=torch.float32).view(torch.int32) == u1
+    cuts = torch.tensor([_U1.value, 1.5, 2.5])
+    near = torch.cat([(cuts.view(torch.int32)[i] + torch.arange(-4096, 4097)).view(torch.float32) for i in range(3)])
+    wide = torch.randint(0, 2**32 - 1, (1 << 18,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.cat([near, wide, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.0, 1e30])])
+    v = v[torch.isfinite(v) | torch.isinf(v)]  # no NaN (never produced for finite input)
+    ref = torch.floor(v + 0.5).clamp(0, 3)
+    got = (v[:, None] >= cuts[None, :]).sum(1).to(torch.float32)
+    assert torch.equal(ref, got)
+
+
+def _brute_threshold(s, k):
+    """Smallest float a >= 0 with RN(RN(a/s) + 0.5) >= k, by a full bitwise search (float32 arithmetic)."""
+    lo = torch.zeros_like(s, dtype=torch.int32)
+    hi = torch.full_like(s, 0x7F800000, dtype=torch.int32)
+    for _ in range(32):
+        mid = lo + ((hi - lo) >> 1)
+        ok = torch.floor(mid.view(torch.float32) / s + 0.5) >= k
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return hi
+
+
+def test_threshold8_window_exhaustive():
+    """code_thr8's short search (kernel ``_threshold8``, mirrored here in torch) finds the exact threshold for
+    every finite float16 and bfloat16 scale (2 probes), and for float32 samples (3 probes: random, binade
+    edges, subnormals); the threshold is never more than one ulp from ``RN(u_k s)``."""
+    f16 = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    bf16 = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    p2 = torch.ldexp(torch.ones(277, dtype=torch.float64), torch.arange(-149, 128)).float().view(torch.int32)
+    edges = torch.cat([p2 + i for i in range(-8, 9)]).clamp(1, 0x7F7FFFFF).view(torch.float32)
+    rand = torch.randint(1, 0x7F800000, (1 << 17,), dtype=torch.int32).view(torch.float32)
+    sub = torch.arange(1, 1 << 16, dtype=torch.int32).view(torch.float32)
+    for scales, below, above, probes in ((torch.cat([f16, bf16]), 2, 2, 2), (torch.cat([edges, rand, sub]), 5, 3, 3)):
+        for k in (1, 2, 3):
+            u = torch.tensor(0.4999999701976776 if k == 1 else k - 0.5, dtype=torch.float32)
+            c = (scales * u).view(torch.int32)
+            lo, hi = (c - below).clamp(min=0), (c + above).clamp(max=0x7F800000)
+            for _ in range(probes):
+                mid = lo + ((hi - lo) >> 1)
+                ok = torch.floor(mid.view(torch.float32) / scales + 0.5) >= k
+                hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+            exact = _brute_threshold(scales, k)
+            assert torch.equal(hi, exact), k
+            assert (exact - c).abs().max() <= 1, k
+
+
+def test_clip_plan_picks_fewest_passes():
+    from oscarkv.kernels.quantize_triton import clip_plan
+
+    assert clip_plan(0.96, 128, True) == (1, 5, 122)  # K: top-down, 5 steps after the max
+    assert clip_plan(0.92, 128, True) == (1, 10, 117)  # V
+    assert clip_plan(0.92, 128, False) == (1, 10, 117)  # float32 rows: 22 passes < 31
+    assert clip_plan(0.5, 128, True)[0] == 3 and clip_plan(0.5, 128, False)[0] == 3  # bisection
+    assert clip_plan(0.02, 128, True) == (2, 2, 2)  # bottom-up
+    assert clip_plan(0.999, 64, True) == (1, 0, 63)  # r = 0: the maximum
+    for ratio in (0.0, 1.0, -0.5, 1.5):
+        assert clip_plan(ratio, 128, True) == (0, 0, 0)
+    assert clip_plan(0.5, 128, True, force=1) == (1, 63, 64)
+
+
+CLIP_CASES = [(64, torch.bfloat16), (128, torch.float16), (96, torch.float32), (256, torch.bfloat16),
+              (64, torch.float32)]
+RATIO_PAIRS = [(0.96, 0.92), (0.999, 0.02), (0.5, 0.0), (1.0, -0.2)]
+
+
+@pytest.mark.parametrize("d,dtype", CLIP_CASES)
+def test_clip_formulations_bit_exact(d, dtype):
+    """Every order-statistic method (top-down, bottom-up, bisection; unique keys for 16-bit rows, tie counts
+    for float32 rows), forced or picked, at r = 0, small and large idx, ratios that disable clipping, on rows
+    full of ties; d = 96 has padded quarters."""
+    x = _tie_rows(8 if not GPU else 300, HKV, d, dtype)
+    for form in ((), ("clip_top",), ("clip_bottom",), ("clip_bisect",)):
+        for k_clip, v_clip in RATIO_PAIRS:
+            _round_trip(x, k_clip, v_clip, form)
+
+
+def test_clip_sort_cross_check():
+    x = _tie_rows(8, 2, 64, torch.bfloat16)
+    _round_trip(x, 0.9, 0.3, ("clip_sort",))
+    _round_trip(x.float(), 0.92, 0.999, ("clip_sort",))
+
+
+@pytest.mark.parametrize("bits,group,meta", [(2, None, torch.float16), (2, 32, torch.bfloat16), (2, 16, torch.float32),
+                                             (4, None, torch.float16), (4, 16, torch.bfloat16)])
+def test_code_formulations_bit_exact(bits, group, meta):
+    """Division + boundaries (default), division + floor, and both per-row threshold searches, with and
+    without clip, groups inside and across quarters (d = 96, G = 32 or 16)."""
+    d = 96 if group != 16 else 64
+    x = _tie_rows(12 if not GPU else 400, HKV, d, torch.bfloat16)
+    v = torch.randn(x.shape) * 5 + 2
+    forms = [(), ("code_floor",)] + ([("code_thr",), ("code_thr8",)] if bits == 2 else [])
+    for form in forms:
+        _round_trip(x, 0.9, 0.0, form, bits=bits, group=group, meta=meta, v=v)
+        _round_trip(x, 0.0, 0.95, form, bits=bits, group=group, meta=meta, v=v)
+
+
+@pytest.mark.parametrize("meta", [torch.float16, torch.bfloat16, torch.float32])
+def test_metadata_edge_rows_bit_exact(meta):
+    """Rows whose offset rounds by more than a step (|x| up to 1000, float16 ulp 0.5: clamped elements can
+    get codes above 0, or stay below 3), rows where tau = 0 (more zeros than idx), and rows in the
+    subnormal range (bfloat16/float32 metadata). Mixed-sign zeros as a row's min or max are left out: the
+    reference's own min/max of +0 and -0 depends on torch's reduction order."""
+    d = 64
+    big = (torch.rand(12, 1, 1) * 2000 - 1000).round() + torch.rand(12, 1, d) * 0.8
+    zeros = torch.randn(6, 1, d)
+    zeros[:, :, :40] = 0.0
+    zeros[3] = 0.0
+    rows = [big, zeros]
+    if meta != torch.float16:
+        tiny = torch.rand(6, 1, d) * 2e-39 - 1e-39
+        tiny[1] = torch.rand(d) * 1e-43 + 1e-44  # bfloat16 input flushes these to +0 or its smallest step
+        rows.append(tiny)
+    x = torch.cat(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(dtype)
+        for form in ((), ("code_thr8",), ("code_floor",)):
+            for k_clip, v_clip in ((0.9, 0.5), (0.0, 0.3)):
+                _round_trip(xx, k_clip, v_clip, form, meta=meta, v=xx * 0.5)
+
+
+def test_launch_knobs_bit_exact():
+    """Rows per block, warps, row blocks per program and prefetch change nothing (45 rows: partial blocks)."""
+    x = _tie_rows(45, 2, 64, torch.bfloat16)
+    for knobs in (("block_r=16",), ("block_r=64", "warps=2"), ("bpp=1", "prefetch=0"), ("bpp=3", "block_r=16")):
+        _round_trip(x, 0.96, 0.92, knobs)
+
+
+@pytest.mark.parametrize("form", [(), ("clip_bottom",), ("clip_bisect",), ("code_thr8",)])
+def test_demote_formulations_bit_exact(form):
+    d = 128 if GPU else 64
+    fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
+    B, c16 = 3, 40
+    k16 = (torch.randn(B, HKV, c16, d, device=DEVICE) * 2).round().to(torch.float16)
+    v16 = torch.randn(B, HKV, c16, d, device=DEVICE, dtype=torch.bfloat16)
+    n = 24
+    seq = torch.randint(0, B, (n,), device=DEVICE, dtype=torch.int32)
+    src = torch.randint(0, c16, (n,), device=DEVICE, dtype=torch.int32)
+    kp, vp = _pools(fmt, 4)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    slots = _slots(n, fmt, 4)
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.9, v_clip=0.05, variant=form)
+    demote_ref(kr, vr, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.9, v_clip=0.05)
+    _assert_same(kp, kr)
+    _assert_same(vp, vr)
+
+
+def test_variants_validated():
+    fmt = PageFormat(num_kv_heads=1, head_dim=64, page_size=16)
+    kp, vp = _pools(fmt, 2)
+    x = torch.randn(4, 1, 64, device=DEVICE)
+    s = torch.arange(4, device=DEVICE)
+    for bad in (("clip_fast",), ("block_r=24",), ("warps=3",), ("bpp=0",), ("block_r=x",), "code_div"):
+        with pytest.raises(ValueError):
+            quantize_write_triton(kp, vp, x, x, s, variant=bad)
+    fmt4 = PageFormat(num_kv_heads=1, head_dim=64, page_size=16, bits=4)
+    kp4, vp4 = _pools(fmt4, 2)
+    with pytest.raises(ValueError, match="2-bit"):
+        quantize_write_triton(kp4, vp4, x, x, s, variant=("code_thr8",))
+    fmt6 = PageFormat(num_kv_heads=1, head_dim=6, page_size=16, bits=4)
+    kp6, vp6 = _pools(fmt6, 2)
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        quantize_write_triton(kp6, vp6, x[..., :6], x[..., :6], s)
+
+
+PROBE_VARIANTS = [(), ("code_thr8",), ("code_thr",), ("code_floor",), ("clip_bisect",), ("clip_bottom",),
+                  ("block_r=64",), ("block_r=16", "warps=2"), ("bpp=1",), ("bpp=8",), ("prefetch=0",),
+                  ("warps=8", "block_r=64")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_benchmark_shape_every_variant_bit_exact():
+    """The benchmark's shape (32768 rows x 8 KV heads, d 128, bf16, clip 0.96/0.92, page 64, float16 metadata)
+    through every formulation and launch variant that benchmarks/kernels_probe.py times, against the CPU
+    reference, plus the same rows demoted from a 16-bit tier."""
+    n, hkv, d, ps = 32768, 8, 128, 64
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
+    npages = n // ps + 4
+    k = (torch.randn(n, hkv, d, device=DEVICE) * torch.rand(1, hkv, d, device=DEVICE) * 4).to(torch.bfloat16)
+    v = torch.randn(n, hkv, d, device=DEVICE, dtype=torch.bfloat16)
+    k[::97] = k[::97].float().round().to(torch.bfloat16)  # ties
+    slots = torch.randperm(npages * ps, device=DEVICE)[:n]
+    slots[::1000] = -1
+    kr, vr = poisoned_pages(fmt, npages, "cpu"), poisoned_pages(fmt, npages, "cpu")
+    kp0, vp0 = kr.codes.clone(), vr.codes.clone()
+    quantize_write_ref(kr, k.cpu(), slots.cpu(), clip_ratio=0.96)
+    quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=0.92)
+    for form in PROBE_VARIANTS:
+        kp = type(kr)(kp0.to(DEVICE), kr.scale.clone().to(DEVICE), kr.offset.clone().to(DEVICE), fmt)
+        vp = type(vr)(vp0.to(DEVICE), vr.scale.clone().to(DEVICE), vr.offset.clone().to(DEVICE), fmt)
+        kp.scale.view(torch.uint8).random_(0, 256)
+        vp.offset.view(torch.uint8).random_(0, 256)
+        quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
+        keep = (slots >= 0).cpu()
+        pg, rw = slots.cpu()[keep] // ps, slots.cpu()[keep] % ps
+        for got, ref in ((kp, kr), (vp, vr)):
+            for name in ("codes", "scale", "offset"):
+                g, r = getattr(got, name).cpu()[pg, :, rw], getattr(ref, name)[pg, :, rw]
+                assert torch.equal(_bits(g), _bits(r)), f"{form}: {name} differ"
+    k16, v16 = k.view(4, n // 4, hkv, d).transpose(1, 2), v.view(4, n // 4, hkv, d).transpose(1, 2)
+    seq = torch.arange(n, device=DEVICE) // (n // 4)
+    src = torch.arange(n, device=DEVICE) % (n // 4)
+    kp, vp = _pools(fmt, npages)
+    kr2, vr2 = _cpu_copy(kp), _cpu_copy(vp)
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92)
+    demote_ref(kr2, vr2, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
+    _assert_same(kp, kr2)
+    _assert_same(vp, vr2)
+
+
+@pytest.mark.parametrize("d,bits", [(96, 2), (32, 4)])
+def test_fused_rotation_padded_quarters(d, bits):
+    """Fused rotation where the quarters are padded (d/4 = 24, or 8 < the 16 columns tl.dot needs): codes
+    bit-exact with quantize() of the kernel's rows, and those rows match x @ R to float32 rounding."""
+    fmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16, bits=bits)
+    kp, vp = _pools(fmt, 3)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float().to(DEVICE)
+    k = torch.randn(20, 2, d, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(20, 2, d, device=DEVICE)
+    slots = _slots(20, fmt, 3)
+    dbg = (torch.zeros(20, 2, d, device=DEVICE), torch.zeros(20, 2, d, device=DEVICE))
+    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg)
+    keep = (slots >= 0).cpu()
+    for x, rows in ((k, dbg[0]), (v, dbg[1])):
+        want = x.double().cpu() @ r.double().cpu()
+        assert (rows.cpu()[keep].double() - want[keep]).abs().max() < 1e-4 * want.abs().max()
+    quantize_write_ref(kr, dbg[0].cpu()[keep], slots.cpu()[keep], clip_ratio=0.9)
+    quantize_write_ref(vr, dbg[1].cpu()[keep], slots.cpu()[keep], clip_ratio=0.5)
+    _assert_same(kp, kr)
+    _assert_same(vp, vr)
