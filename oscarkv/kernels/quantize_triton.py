@@ -246,22 +246,27 @@ def _tau_f32(x0, x1, x2, x3, cmask, mode, n, idx, PADC: tl.constexpr):
             cand = (m | (1 << b)).to(tl.float32, bitcast=True)[:, None]  # NaN patterns are never reached
             cnt = _cnt4(f0 < cand, f1 < cand, f2 < cand, f3 < cand)
             m = tl.where(cnt <= idx, m | (1 << b), m)
-    else:
-        if mode == 1:
-            m = _max4(a0, a1, a2, a3)
-        else:
-            m = _min4(a0, a1, a2, a3)
+    elif mode == 1:
+        m = _max4(a0, a1, a2, a3)
         mf = m.to(tl.float32, bitcast=True)[:, None]
         cnt = _cnt4(f0 == mf, f1 == mf, f2 == mf, f3 == mf)
         for _ in range(n):
-            if mode == 1:
-                c = m - 1
-                cc = c[:, None]
-                m2 = c - _umin4(cc - a0, cc - a1, cc - a2, cc - a3).to(tl.int32, bitcast=True)
-            else:
-                c = m + 1
-                cc = c[:, None]
-                m2 = c + _umin4(a0 - cc, a1 - cc, a2 - cc, a3 - cc).to(tl.int32, bitcast=True)
+            c = m - 1
+            cc = c[:, None]
+            m2 = c - _umin4(cc - a0, cc - a1, cc - a2, cc - a3).to(tl.int32, bitcast=True)
+            mf = m2.to(tl.float32, bitcast=True)[:, None]
+            c2 = _cnt4(f0 == mf, f1 == mf, f2 == mf, f3 == mf)
+            done = cnt > n
+            m = tl.where(done, m, m2)
+            cnt = tl.where(done, cnt, cnt + c2)
+    else:
+        m = _min4(a0, a1, a2, a3)
+        mf = m.to(tl.float32, bitcast=True)[:, None]
+        cnt = _cnt4(f0 == mf, f1 == mf, f2 == mf, f3 == mf)
+        for _ in range(n):
+            c = m + 1
+            cc = c[:, None]
+            m2 = c + _umin4(a0 - cc, a1 - cc, a2 - cc, a3 - cc).to(tl.int32, bitcast=True)
             mf = m2.to(tl.float32, bitcast=True)[:, None]
             c2 = _cnt4(f0 == mf, f1 == mf, f2 == mf, f3 == mf)
             done = cnt > n
@@ -564,7 +569,8 @@ def _quant_side(
                           PADC, META, DEBUG, CODES, CLIP_SORT)
 
 
-@triton.jit
+# clip method, step count and idx are run-time values: one compiled kernel serves every ratio
+@triton.jit(do_not_specialize=["kmode", "kn", "kidx", "vmode", "vn", "vidx", "N"])
 def _quantize_kv_kernel(
     kx, ksx0, ksx1, ksxh, ksxd, kmean, krot, ks_rot_h, kmode, kn, kidx, kcodes, kscale, koffset, kdbg,
     vx, vsx0, vsx1, vsxh, vsxd, vmean, vrot, vs_rot_h, vmode, vn, vidx, vcodes, vscale, voffset, vdbg,
