@@ -44,7 +44,7 @@ def fold_values(attn: nn.Module, r_v: Tensor | None, mu_v: Tensor | None, num_q_
     saved = [_Saved(v, v.weight, v.bias), _Saved(o, o.weight, o.bias)]
     H, d, g = num_kv_heads, head_dim, num_q_heads // num_kv_heads
     f64 = dict(dtype=torch.float64)
-    r = (torch.eye(d, **f64).expand(H, d, d) if r_v is None else r_v.to(v.weight.device, **f64))
+    r = (torch.eye(d, device=v.weight.device, **f64).expand(H, d, d) if r_v is None else r_v.to(v.weight.device, **f64))
     mu = torch.zeros(H, d, device=v.weight.device, **f64) if mu_v is None else mu_v.to(v.weight.device, **f64)
     if tuple(r.shape) != (H, d, d) or tuple(mu.shape) != (H, d):
         raise ValueError(f"value rotation {tuple(r.shape)} / mean {tuple(mu.shape)} do not fit {H} KV heads of "
