@@ -695,7 +695,7 @@ def _parse_variant(variant: tuple[str, ...], bits: int, has_rot: bool) -> dict:
     """Formulation and launch knobs: code/clip names (``_CODE_FORMS``, ``_CLIP_FORMS``) and ``name=int`` for
     ``block_r`` (rows per block), ``warps``, ``bpp`` (row blocks per program), ``prefetch`` (0/1)."""
     # prefetch off: the kernel is issue-bound (SASS: ~8% more instructions and 96 -> 127 registers with it)
-    opt = {"codes": 0 if bits == 2 else 1, "clip": 0, "block_r": 64 if has_rot else 32, "warps": 4, "bpp": 4,
+    opt = {"codes": 0 if bits == 2 else 1, "clip": 0, "block_r": 16 if has_rot else 32, "warps": 4, "bpp": 4,
            "prefetch": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
