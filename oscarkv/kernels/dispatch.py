@@ -135,6 +135,8 @@ def decode_attention(
     ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths).
     Keys in channel pages run on the Triton kernel ("auto" never picks the CUDA C++ kernel for them)."""
     which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt)
+    if which == "cuda" and backend == "auto" and k16.dtype not in (torch.float16, torch.bfloat16):
+        which = "triton"  # the CUDA C++ kernel reads 16-bit tiers only (float32 windows: the Triton kernel)
     if which == "reference":
         res = ref.decode_attention_ref(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale)
         if out is None:

@@ -757,6 +757,8 @@ def extend_attention_triton(
     if out is None:
         out = torch.empty(B, T, hq, d, dtype=q.dtype, device=dev)
     sm_scale = float(d**-0.5 if sm_scale is None else sm_scale)
+    if k_new.dtype != k16.dtype:  # one dtype for the dense dots: the chunk's rows as the 16-bit tiers store them
+        k_new, v_new = k_new.to(k16.dtype), v_new.to(k16.dtype)
     if q.dtype == torch.float32:  # the dots take 16-bit queries: prescale (as the previous kernel did) to float16
         q, sm_scale = (q * sm_scale).to(torch.float16), 1.0
     tok_m = block_m // g
