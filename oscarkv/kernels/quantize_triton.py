@@ -822,6 +822,21 @@ def _as_slots(slots: Tensor, n: int, device: torch.device) -> Tensor:
     return slots.to(torch.int64).contiguous()
 
 
+def _rotated_rows(x: Tensor, rotation: Tensor, mean: Tensor | None) -> Tensor:
+    """``(x - mean) @ R`` in float32, ``R`` ``[d, d]`` or per KV head ``[Hkv, d, d]``; x ``[N, Hkv, d]``."""
+    _, hkv, d = x.shape
+    if tuple(rotation.shape) not in ((d, d), (hkv, d, d)):
+        raise ValueError(f"rotation must be [{d}, {d}] or [{hkv}, {d}, {d}], got {tuple(rotation.shape)}")
+    if mean is not None and tuple(mean.shape) != (hkv, d):
+        raise ValueError(f"mean must be [{hkv}, {d}], got {tuple(mean.shape)}")
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean.float()
+    r = rotation.float()
+    eq = "nhd,de->nhe" if r.ndim == 2 else "nhd,hde->nhe"
+    return torch.einsum(eq, xf, r).contiguous()
+
+
 def quantize_write_triton(
     k_pages: QuantPages, v_pages: QuantPages, k: Tensor, v: Tensor, slots: Tensor, *,
     k_rotation: Tensor | None = None, v_rotation: Tensor | None = None,
@@ -837,7 +852,9 @@ def quantize_write_triton(
     formulations and launch knobs, for tests and benchmarks: "code_div" (the default: one division per
     element), "code_floor", "code_thr" and "code_thr8" (per-row thresholds, 2-bit); "clip_top",
     "clip_bottom", "clip_bisect", "clip_sort" (force one order-statistic method); "block_r=", "warps=",
-    "bpp=" (row blocks per program), "prefetch=" (0/1: load the next block before this one's math).
+    "bpp=" (row blocks per program), "prefetch=" (0/1: load the next block before this one's math);
+    "rot_fused" (the rotation as a tf32x3 dot inside the row kernel: CPU-interpreter tested, but it does not fit
+    sm_90's shared memory at d = 128; by default the rows are rotated in torch float32 first).
 
     Keys in channel pages (``k_pages.fmt.layout == "channel"``): K goes through a second launch, one program
     per whole page and head; ``N`` must be a multiple of ``page_size`` and every run of ``page_size`` slots one
@@ -851,6 +868,15 @@ def quantize_write_triton(
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     n = shape[0]
     slots = _as_slots(slots, n, k_pages.codes.device)
+    # The row kernel's fused rotation needs more shared memory than sm_90 has at d = 128 (278-328 KB measured
+    # on the H200 at 16-64 rows per block): unless "rot_fused" is asked for, rows of the row kernel are
+    # centered and rotated in torch float32 first (the codes are exact for the rows used, as with the fused dot).
+    fused = "rot_fused" in variant
+    variant = tuple(x for x in variant if x != "rot_fused")
+    if not fused and v_rotation is not None:
+        v, v_rotation, v_mean = _rotated_rows(v, v_rotation, v_mean), None, None
+    if not fused and k_rotation is not None and not fmt.channel:
+        k, k_rotation, k_mean = _rotated_rows(k, k_rotation, k_mean), None, None
     ks = (k.stride(0), 0, k.stride(1), k.stride(2))
     vs = (v.stride(0), 0, v.stride(1), v.stride(2))
     _launch(k_pages, v_pages, k, v, ks, vs, slots, n, slots, slots, k_rotation=k_rotation, v_rotation=v_rotation,

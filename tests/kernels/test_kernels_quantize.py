@@ -67,8 +67,14 @@ def test_quantize_write_bit_exact(d, bits, group, meta, clip):
     _assert_same(vp, vr)
 
 
+# default: rows rotated in torch float32 before the row kernel; "rot_fused": the in-kernel tf32x3 dot (it does
+# not fit sm_90's shared memory at d = 128, so it is exercised on the CPU interpreter only)
+ROT_FORMS = [(), pytest.param(("rot_fused",), marks=pytest.mark.skipif(GPU, reason="exceeds sm_90 shared memory"))]
+
+
+@pytest.mark.parametrize("form", ROT_FORMS)
 @pytest.mark.parametrize("per_head", [False, True])
-def test_quantize_write_fused_rotation(per_head):
+def test_quantize_write_fused_rotation(per_head, form):
     """With x @ R fused, codes are bit-exact with quantize() of the float32 rows the kernel computed (exposed
     through ``debug_rows``), and those rows match torch's x @ R to float32 rounding."""
     d = 128 if GPU else 64
@@ -85,7 +91,7 @@ def test_quantize_write_fused_rotation(per_head):
     slots = _slots(N_ROWS, fmt, npages)
     dbg = (torch.zeros(N_ROWS, HKV, d, device=DEVICE), torch.zeros(N_ROWS, HKV, d, device=DEVICE))
     quantize_write_triton(kp, vp, k, v, slots, k_rotation=rk, v_rotation=rv, k_mean=mk, v_mean=mv,
-                          k_clip=0.96, v_clip=0.92, debug_rows=dbg)
+                          k_clip=0.96, v_clip=0.92, debug_rows=dbg, variant=form)
     keep = (slots >= 0).cpu()
     for x, mu, r, rows in ((k, mk, rk, dbg[0]), (v, mv, rv, dbg[1])):
         eq = "nhd,de->nhe" if r.ndim == 2 else "nhd,hde->nhe"
@@ -405,8 +411,9 @@ def test_gpu_benchmark_shape_every_variant_bit_exact():
     _assert_same(vp, vr2)
 
 
+@pytest.mark.parametrize("form", ROT_FORMS)
 @pytest.mark.parametrize("d,bits", [(96, 2), (32, 4)])
-def test_fused_rotation_padded_quarters(d, bits):
+def test_fused_rotation_padded_quarters(d, bits, form):
     """Fused rotation where the quarters are padded (d/4 = 24, or 8 < the 16 columns tl.dot needs): codes
     bit-exact with quantize() of the kernel's rows, and those rows match x @ R to float32 rounding."""
     fmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16, bits=bits)
@@ -417,7 +424,8 @@ def test_fused_rotation_padded_quarters(d, bits):
     v = torch.randn(20, 2, d, device=DEVICE)
     slots = _slots(20, fmt, 3)
     dbg = (torch.zeros(20, 2, d, device=DEVICE), torch.zeros(20, 2, d, device=DEVICE))
-    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg)
+    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg,
+                          variant=form)
     keep = (slots >= 0).cpu()
     for x, rows in ((k, dbg[0]), (v, dbg[1])):
         want = x.double().cpu() @ r.double().cpu()

@@ -47,7 +47,8 @@ for tiers in (Tiering(sink=16, window=16, page=16), Tiering(0, 0, 16, enabled=Fa
         want, _ = sims[0].step(batch)
         core.ops = lambda: triton_ops
         got, _ = sims[1].step(batch)
-        err = (got - want).abs().max().item()
+        # the kernels' error budget (docs/kernels.md): relative Frobenius error, 2e-3 for 16-bit-operand extend
+        err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-3, (tiers, batch, err)
 assert calls["decode"] >= 3 and calls["extend"] >= 6, calls
 print("OK", calls)
