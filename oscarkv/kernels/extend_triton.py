@@ -697,7 +697,7 @@ def _pow2(x: int) -> bool:
 def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    out: Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+    out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
     dense_stages: int = 2, fold: str = "dequant", unpack: str = "cat", qnative: bool | None = None,
     rescale: str = "always", pmul: str = "f16", maxnreg: int = 0,
 ) -> Tensor:

@@ -695,7 +695,9 @@ def _parse_variant(variant: tuple[str, ...], bits: int, has_rot: bool) -> dict:
     """Formulation and launch knobs: code/clip names (``_CODE_FORMS``, ``_CLIP_FORMS``) and ``name=int`` for
     ``block_r`` (rows per block), ``warps``, ``bpp`` (row blocks per program), ``prefetch`` (0/1)."""
     # prefetch off: the kernel is issue-bound (SASS: ~8% more instructions and 96 -> 127 registers with it)
-    opt = {"codes": 0 if bits == 2 else 1, "clip": 0, "block_r": 16 if has_rot else 32, "warps": 4, "bpp": 4,
+    # 2-bit codes by per-row thresholds (code_thr8): measured 0.113 ms vs 0.158 ms with one division per element
+    # (H200, 32768 rows x 8 heads, K+V, clip; docs/results/kernels_h200.md), bit-identical
+    opt = {"codes": 3 if bits == 2 else 1, "clip": 0, "block_r": 16 if has_rot else 32, "warps": 4, "bpp": 4,
            "prefetch": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
@@ -849,8 +851,8 @@ def quantize_write_triton(
 
     ``debug_rows``: optional pair of float32 ``[N, Hkv, d]`` tensors receiving the centered, rotated rows
     before clipping (the exact float32 values the codes were computed from). ``variant``: equivalent
-    formulations and launch knobs, for tests and benchmarks: "code_div" (the default: one division per
-    element), "code_floor", "code_thr" and "code_thr8" (per-row thresholds, 2-bit); "clip_top",
+    formulations and launch knobs, for tests and benchmarks: "code_thr8" (the 2-bit default: per-row
+    thresholds, two probes), "code_div" (one division per element), "code_floor", "code_thr" (7 probes); "clip_top",
     "clip_bottom", "clip_bisect", "clip_sort" (force one order-statistic method); "block_r=", "warps=",
     "bpp=" (row blocks per program), "prefetch=" (0/1: load the next block before this one's math);
     "rot_fused" (the rotation as a tf32x3 dot inside the row kernel: CPU-interpreter tested, but it does not fit
