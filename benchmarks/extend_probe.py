@@ -57,11 +57,9 @@ VARIANTS = [
     ("factor-cat-m128w8", dict(fold="factor", unpack="cat", block_m=128, num_warps=8)),
     ("factor-fields-f32-m128w8", dict(fold="factor", unpack="fields", pmul="f32", qnative=False, block_m=128,
                                       num_warps=8)),
-    ("join-m128w8-s2 (old)", dict(unpack="join", block_m=128, num_warps=8, num_stages=2)),
-    ("join-m64w4-s2 (old)", dict(unpack="join", block_m=64, num_warps=4, num_stages=2)),
 ]
-FP16_CHECK = ("default", "dq-cat-m128w8-s3", "dq-cat-lazy-m64w4", "factor-cat-m64w4", "join-m128w8-s2 (old)")
-CHANNEL = ("default", "dq-cat-m128w8-s3", "factor-cat-m64w4", "join-m128w8-s2 (old)")
+FP16_CHECK = ("default", "dq-cat-m128w8-s3", "dq-cat-lazy-m64w4", "factor-cat-m64w4")
+CHANNEL = ("default", "dq-cat-m128w8-s3", "factor-cat-m64w4")
 
 
 def reference_f64(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, sm_scale=None, block=256):

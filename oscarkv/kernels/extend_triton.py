@@ -16,8 +16,9 @@ Field ``j`` of packed byte ``c`` is element ``j d/4 + c`` of the row ("quartered
 interleaved. ``unpack="cat"`` (default) places the four field tiles side by side as one natural-order ``[n, d]``
 operand (a register relabelling: no data movement), so ``QK^T`` and ``P V`` are one dot each against the
 natural-order query and output; ``"fields"`` keeps them apart (``QK^T = sum_j q[:, block j] @ field_j^T``, four
-dots of K-dim ``d/4``; four ``[m, d/4]`` accumulators); ``"vcat"`` mixes the two (fields for K, one V operand);
-``"join"`` is the previous kernel (fields interleaved, queries/outputs permuted to match), kept for comparison.
+dots of K-dim ``d/4``; four ``[m, d/4]`` accumulators); ``"vcat"`` mixes the two (fields for K, one V operand).
+The previous kernel (fields interleaved into one operand, queries/outputs permuted to match; 8.35 ms against
+4.18 ms at the benchmark shape, docs/results/kernels_h200.md) is in git history (commit 08843a7).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import triton
 import triton.language as tl
 
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
-from .decode_triton import _fields4
 from .layout import QuantPages
 
-UNPACKS = ("cat", "vcat", "fields", "join")
+UNPACKS = ("cat", "vcat", "fields")
 FOLDS = ("dequant", "factor")
 RESCALES = ("always", "lazy")
 PMULS = ("f16", "f32")
@@ -566,130 +566,6 @@ def _extend_kernel(
         tl.store(optr + 3 * DQ + c[None, :], (a3 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
 
 
-@triton.jit
-def _softmax_step(s, m_i, l_i):
-    """The join kernel's online-softmax step (log2-domain logits, weights <= 1)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows fully masked so far stay at zero weight
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _codes_tile(codes, PS: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
-    """uint8 codes ``[PS, D/4]`` -> exact float16 codes ``[PS, D]`` in interleaved order: column ``4 c + j``
-    holds field ``j`` of byte ``c``, i.e. element ``j D/4 + c`` (queries and outputs use the same order)."""
-    f0, f1, f2, f3 = _fields4(codes, ASM)
-    return tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (PS, D))  # [.., i, w] = f_{2i+w}
-
-
-@triton.jit
-def _extend_join_kernel(
-    q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
-    kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
-    k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
-    T, HKV, sm_scale,
-    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
-):
-    """The previous kernel (``unpack="join"``): the four fields joined into one interleaved ``[PS, D]``
-    operand, queries and outputs permuted to match."""
-    TOK_M: tl.constexpr = BLOCK_M // G
-    DQ: tl.constexpr = D // 4
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    r = tl.arange(0, BLOCK_M)
-    tq = pid_m * TOK_M + r // G
-    hq = h * G + r % G
-    rmask = (tq < T) & (r < TOK_M * G)
-    col = tl.arange(0, D)
-    perm = (col % 4) * DQ + col // 4  # interleaved column -> element of the head dimension
-    if F32DOT:
-        DT: tl.constexpr = tl.float32
-    else:
-        DT: tl.constexpr = tl.float16
-    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
-    q = tl.load(qrow + perm[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * (sm_scale * 1.4426950408889634)
-    q2 = q.to(tl.float16)
-    qsum = tl.sum(q2.to(tl.float32), axis=1)
-    q2 = q2.to(DT)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    osum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n = tl.arange(0, PS)
-    c = tl.arange(0, DQ)
-    ntok = tl.load(qlen_ptr + b)
-    bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    vref = 1.0
-    if ntok > 0:
-        page0 = tl.load(bt_row).to(tl.int64)
-        vs0 = tl.load(vs_ptr + page0 * s_mp + h * s_mh + n, mask=n < ntok, other=0.0).to(tl.float32)
-        vref = tl.minimum(tl.maximum(tl.max(vs0, axis=0), 0.015625), 65504.0)
-    ivref = 1.0 / vref
-    for p in range(0, tl.cdiv(ntok, PS)):
-        page = tl.load(bt_row + p).to(tl.int64)
-        crow = page * s_cp + h * s_ch + n * DQ
-        row = page * s_mp + h * s_mh + n
-        tmask = p * PS + n < ntok
-        kt = _codes_tile(tl.load(kc_ptr + crow[:, None] + c[None, :]), PS, D, ASM)
-        if KCH:
-            kmeta = page * s_kmp + h * s_kmh + perm
-            ksv = tl.load(ks_ptr + kmeta).to(tl.float32)
-            kov = tl.load(ko_ptr + kmeta).to(tl.float32)
-            khat = kov[None, :] + kt.to(tl.float32) * ksv[None, :]
-            kmax = tl.max(tl.maximum(tl.abs(kov), tl.abs(kov + 3.0 * ksv)), axis=0)
-            kmax = tl.where(kmax > 0.0, kmax, 1.0)
-            s = tl.dot(q2, tl.trans((khat * (1.0 / kmax)).to(tl.float16).to(DT))) * kmax
-        else:
-            s = tl.dot(q2, tl.trans(kt.to(DT)))
-            ks = tl.load(ks_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            ko = tl.load(ko_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-            s = s * ks[None, :] + qsum[:, None] * ko[None, :]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
-        vs = tl.load(vs_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-        vo = tl.load(vo_ptr + row, mask=tmask, other=0.0).to(tl.float32)
-        osum = osum * alpha + tl.sum(pr * vo[None, :], axis=1)
-        pv = (pr * (vs * ivref)[None, :]).to(tl.float16).to(DT)
-        vt = _codes_tile(tl.load(vc_ptr + crow[:, None] + c[None, :]), PS, D, ASM).to(DT)
-        acc = tl.dot(pv, vt, acc * alpha[:, None])
-    kv = tl.arange(0, BLOCK_N)
-    n16 = tl.load(len16_ptr + b)
-    base16 = b.to(tl.int64) * s16b + h * s16h
-    for t0 in range(0, n16, BLOCK_N):
-        t = t0 + kv
-        tm = t < n16
-        off = base16 + t.to(tl.int64)[:, None] * s16t + perm[None, :]
-        k = tl.load(k16_ptr + off, mask=tm[:, None], other=0.0)
-        s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
-        s = tl.where(tm[None, :], s, float("-inf"))
-        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
-        osum = osum * alpha
-        v = tl.load(v16_ptr + off, mask=tm[:, None], other=0.0)
-        acc = tl.dot((pr * ivref).to(v.dtype).to(DT), v.to(DT), acc * alpha[:, None])
-    basen = b.to(tl.int64) * sn_b + h * sn_h
-    hi = tl.minimum(T, (pid_m + 1) * TOK_M)
-    for t0 in range(0, hi, BLOCK_N):
-        t = t0 + kv
-        tm = t < T
-        off = basen + t.to(tl.int64)[:, None] * sn_t + perm[None, :]
-        k = tl.load(kn_ptr + off, mask=tm[:, None], other=0.0)
-        s = tl.dot(q.to(k.dtype).to(DT), tl.trans(k.to(DT)))
-        s = tl.where((t[None, :] <= tq[:, None]) & tm[None, :], s, float("-inf"))
-        m_i, alpha, pr, l_i = _softmax_step(s, m_i, l_i)
-        osum = osum * alpha
-        v = tl.load(vn_ptr + off, mask=tm[:, None], other=0.0)
-        acc = tl.dot((pr * ivref).to(v.dtype).to(DT), v.to(DT), acc * alpha[:, None])
-    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    res = acc * (vref * inv) + osum[:, None] * inv
-    optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h + perm[None, :]
-    tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-
-
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -710,7 +586,7 @@ def extend_attention_triton(
     Tuning (results agree within the error budget): ``block_m`` query rows ((token, GQA head) pairs) per
     program; ``block_n`` 16-bit keys per tile (2-bit tiles are one page); ``num_warps``; ``num_stages``
     (software pipelining of the page loop's loads) and ``dense_stages`` (of the 16-bit loops); ``maxnreg``
-    (register cap, 0 = none). Variants (not ``"join"``): ``fold`` (``"dequant"``: each page's code tiles are
+    (register cap, 0 = none). Variants: ``fold`` (``"dequant"``: each page's code tiles are
     dequantized to float16 once, shared by all query rows, and attention runs on them; ``"factor"``: scale and
     offset factored out of both products, applied per score); ``unpack`` (module docstring); ``rescale``
     (``"lazy"``: the running max moves only by more than 2^3 and the accumulator rescale is skipped, behind one
@@ -772,11 +648,6 @@ def extend_attention_triton(
     )
     interp = interpreting()
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interp else {}
-    if unpack == "join":  # the previous kernel: fold, qnative, rescale and pmul do not apply
-        _extend_join_kernel[grid](*args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  ASM=not interp, F32DOT=interp, KCH=fmt.channel, num_warps=num_warps,
-                                  num_stages=num_stages, **cap)
-        return out
     qnat = (True if qnative is None else bool(qnative)) and not fmt.channel
     _extend_kernel[grid](
         *args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interp, F32DOT=interp,

@@ -115,7 +115,6 @@ def test_extend_accepts_float32_queries():
 EXT_VARIANTS = [
     {}, {"unpack": "fields"}, {"unpack": "vcat"}, {"rescale": "lazy"}, {"fold": "factor"},
     {"fold": "factor", "unpack": "fields", "rescale": "lazy", "pmul": "f32", "qnative": False},
-    {"unpack": "join"},
 ]
 # odd lengths, partial pages, GQA 1/4/6/8, d 64/128/256, empty 2-bit and 16-bit tiers, float16 and bfloat16
 EXT_VARIANT_CASES = [(2, 2, 4, 64, 16, [37, 0], [5, 9], 20, 7, torch.float16),

@@ -214,7 +214,7 @@ def test_channel_extend_matches_float64_reference(case):
 
 
 @pytest.mark.parametrize("variant", [{"fold": "factor"}, {"unpack": "fields"}, {"unpack": "vcat"},
-                                     {"rescale": "lazy"}, {"unpack": "join"}],
+                                     {"rescale": "lazy"}],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
 @pytest.mark.parametrize("case", EXT_CASES if not GPU else EXT_CASES[1:])
 def test_channel_extend_variants(case, variant):
