@@ -319,18 +319,24 @@ def _gemv_store(y, rm, rn, b_ptr, r_ptr, y_ptr, M, N, s_rm, s_ym, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_rm, s_ym, eps,
-                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
+def _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                PRO: tl.constexpr):
+    """This program's output columns, rows, K offsets, the prologue RMSNorm's 1/rms (PRO == 1) and weight rows."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.arange(0, MP)
     rk = tl.arange(0, BK)
     if PRO == 1:
         inv = _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP, BK)
     else:
         inv = tl.zeros([MP], tl.float32)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+    return rn, rm, rk, inv, w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_rm, s_ym, eps,
+                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr):
+    rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
     if MP == 1:  # 2-D: the input row shares the weight tile's layout (no 3-D broadcast, no conversion)
         acc2 = tl.zeros([BN, BK // V], tl.float32)
         for k0 in range(0, K, BK):
@@ -354,15 +360,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_rm, s_ym, eps,
                      MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    rm = tl.arange(0, MP)
-    rk = tl.arange(0, BK)
-    if PRO == 1:
-        inv = _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP, BK)
-    else:
-        inv = tl.zeros([MP], tl.float32)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+    rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
     acc = tl.zeros([BN, MP], tl.float32)
     for k0 in range(0, K, BK):
         w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
