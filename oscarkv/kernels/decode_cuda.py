@@ -204,7 +204,8 @@ def decode_attention_cuda(
         k_pages.scale.stride(1), block_table.stride(0), k16.stride(0), k16.stride(1), k16.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), fmt.num_kv_heads,
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split, scale, 0x64006400,
-        plan.counters.data_ptr(), out.data_ptr(), plan.num_splits if merge == "fused" else 0, out.stride(0),
+        plan.counters.data_ptr() if merge == "fused" else 0, out.data_ptr(), plan.num_splits if merge == "fused" else 0,
+        out.stride(0),
         out.stride(1), _DT[out.dtype],
     )
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()

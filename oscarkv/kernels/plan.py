@@ -90,9 +90,7 @@ class DecodePlan:
         rows = max(b * (self._splits_for(b, cap)[1] + self.num_splits16) for b in range(1, self.max_batch + 1))
         self._o_flat = torch.empty(rows * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device)
         self._lse_flat = torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=self.device)
-        # one ticket counter per (sequence, KV head) for kernels that merge their splits in the last CTA to
-        # finish (the CUDA decode kernel); zero between calls, reset by that CTA
-        self.counters = torch.zeros(self.max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        self._counters: Tensor | None = None
         self.update(self.max_batch)
 
     @property
@@ -100,6 +98,15 @@ class DecodePlan:
         """Partial outputs ``[batch, Hq, num_splits, d]`` float32 (a view of the preallocated workspace)."""
         n = self.batch * self.num_q_heads * self.num_splits * self.head_dim
         return self._o_flat[:n].view(self.batch, self.num_q_heads, self.num_splits, self.head_dim)
+
+    @property
+    def counters(self) -> Tensor:
+        """One ticket counter per (sequence, KV head) for the CUDA kernel's optional fused merge (the last split
+        to finish combines them); zero between calls, reset by that split. Allocated on first use (so outside a
+        CUDA-graph capture when the first call is eager), only by plans that use the fused merge."""
+        if self._counters is None:
+            self._counters = torch.zeros(self.max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        return self._counters
 
     @property
     def lse_part(self) -> Tensor:
