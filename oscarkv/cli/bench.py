@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-gb", type=float, default=90.0, help="KV budget for the throughput sweep (GiB)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--skip-correctness", action="store_true")
-    p.add_argument("--gemv", default="cublas", choices=("cublas", "triton"),
+    p.add_argument("--gemv", default="auto", choices=("auto", "cublas", "triton"),
                    help="decode GEMV of the engine (LLM(gemv=...)) in the timed suites")
     p.add_argument("--out", default="e2e.json", help="JSON results file")
 
@@ -55,7 +55,7 @@ def provenance() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- set-up
-def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "cublas"):
+def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto"):
     """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens."""
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
@@ -159,7 +159,7 @@ def release(llm) -> None:
 
 
 # ------------------------------------------------------------------------------------------- suites
-def latency(model, contexts: list[int], replays: int, log, gemv: str = "cublas") -> list[dict]:
+def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto") -> list[dict]:
     rows = []
     wbytes = model.weight_bytes()
     for ctx in contexts:
@@ -188,7 +188,7 @@ def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
     return int(budget_gb * 2**30 // per)
 
 
-def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "cublas") -> list[dict]:
+def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "auto") -> list[dict]:
     rows = []
     for kv in ("bf16", "oscar"):
         top = max_seqs(model, kv, ctx, budget_gb)

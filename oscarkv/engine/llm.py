@@ -121,8 +121,9 @@ class LLM:
         window_dtype: dtype of OSCAR's 16-bit tiers (default: the model's if 16-bit, else bfloat16, as in
             :mod:`oscarkv.hf`). The "bf16" cache stores the model's dtype (float32 models on CPU keep float32,
             so outputs equal transformers' exactly).
-        gemv: "cublas" (default) or "triton": decode steps of up to 8 sequences on CUDA run the fused Triton
-            GEMV (norms, SiLU gate, bias and residual adds inside the projections; docs/engine.md).
+        gemv: "auto" (default: single-sequence decode steps on CUDA run the fused Triton GEMV, larger ones
+            cuBLAS, as measured fastest), "cublas", or "triton" (decode steps of up to 8 sequences run the fused
+            Triton GEMV: norms, SiLU gate, bias and residual adds inside the projections; docs/engine.md).
     """
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None, kv: str = "oscar",
@@ -130,7 +131,7 @@ class LLM:
                  max_model_len: int | None = None, prefill_chunk: int = 2048, dtype: torch.dtype | None = None,
                  device: str | None = None, cuda_graphs: bool = True, monitor_every: int = 4,
                  eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None,
-                 method: str | None = None, gemv: str = "cublas"):
+                 method: str | None = None, gemv: str = "auto"):
         if kv not in ("oscar", "bf16"):
             raise ValueError(f"kv must be 'oscar' or 'bf16', got {kv!r}")
         if gemv not in GEMV_BACKENDS:

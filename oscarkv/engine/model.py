@@ -137,17 +137,21 @@ class Block(nn.Module):
         return ops.gemv(gu, self.down.weight, act="silu", residual=x)
 
 
-GEMV_BACKENDS = ("cublas", "triton")
+GEMV_BACKENDS = ("auto", "cublas", "triton")
+# "auto": the fused Triton GEMV for single-row decode steps only. Measured on the H200 (gemv_probe_h200.log):
+# at M = 1 it beats cuBLAS plus separate norm ops (8B step 5.09 vs 5.52 ms of GEMV, 4B 3.38 vs 3.46), at M = 4
+# and 8 it loses (8B 5.56 vs 5.26 ms), so larger batches keep cuBLAS.
+GEMV_AUTO_MAX_M = 1
 
 
 class Transformer(nn.Module):
     """``forward(tokens [N], positions [N], ctx, last [M] | None) -> logits [M, vocab]`` (float32).
 
-    ``gemv``: "cublas" (``nn.Linear`` everywhere) or "triton": decode steps of up to
-    ``triton_ops.GEMV_MAX_M`` rows on CUDA run the fused Triton GEMV (:meth:`Block.forward_gemv`); prefill
-    and larger batches keep ``nn.Linear``."""
+    ``gemv``: "cublas" (``nn.Linear`` everywhere), "triton" (decode steps of up to ``triton_ops.GEMV_MAX_M``
+    rows on CUDA run the fused Triton GEMV, :meth:`Block.forward_gemv`) or "auto" (the default: the Triton GEMV
+    for ``GEMV_AUTO_MAX_M`` rows, where it measured faster); prefill and larger batches keep ``nn.Linear``."""
 
-    def __init__(self, cfg: ModelConfig, gemv: str = "cublas"):
+    def __init__(self, cfg: ModelConfig, gemv: str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -173,11 +177,11 @@ class Transformer(nn.Module):
         self.gemv = gemv
 
     def _use_gemv(self, x: Tensor) -> bool:
-        if self.gemv != "triton" or not ops.use_triton(x):
+        if self.gemv == "cublas" or not ops.use_triton(x):
             return False
         from .triton_ops import GEMV_MAX_M  # noqa: PLC0415
 
-        return x.shape[0] <= GEMV_MAX_M
+        return x.shape[0] <= (GEMV_MAX_M if self.gemv == "triton" else GEMV_AUTO_MAX_M)
 
     def forward(self, tokens: Tensor, positions: Tensor, ctx: Any, last: Tensor | None = None) -> Tensor:
         x = self.embed(tokens)

@@ -45,3 +45,22 @@ def test_weight_bytes_and_tied_embeddings(make_hf):
     m = from_hf(hf)
     assert m.lm_head.weight is m.embed.weight
     assert m.weight_bytes() == sum(p.numel() * 4 for p in m.parameters())
+
+
+def test_gemv_choice_per_batch_rows(make_hf, monkeypatch):
+    """"auto" runs the fused Triton GEMV for single-row decode steps only; "triton" up to GEMV_MAX_M rows; "cublas"
+    never; and off CUDA (no Triton path) never."""
+    from oscarkv.engine import model as model_mod
+    from oscarkv.engine.triton_ops import GEMV_MAX_M
+
+    net = from_hf(make_hf("llama"))
+    x = lambda m: torch.zeros(m, net.cfg.hidden_size)  # noqa: E731
+    assert not net._use_gemv(x(1))  # CPU tensors: no Triton path
+    monkeypatch.setattr(model_mod.ops, "use_triton", lambda t: True)
+    assert net.gemv == "auto" and net._use_gemv(x(1)) and not net._use_gemv(x(2))
+    net.set_gemv("triton")
+    assert net._use_gemv(x(GEMV_MAX_M)) and not net._use_gemv(x(GEMV_MAX_M + 1))
+    net.set_gemv("cublas")
+    assert not net._use_gemv(x(1))
+    with pytest.raises(ValueError, match="gemv must be one of"):
+        net.set_gemv("fast")
