@@ -125,10 +125,10 @@ def quantize_rows(n: int, only: str | None, baseline: str | None) -> list[dict]:
         kp, vp = pools()
         record("demote (gather), clip", lambda: demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=CLIP[0],
                                                               v_clip=CLIP[1]), lambda: same((kp, vp), CLIP))
-    if not only or "rotation" in only:  # float32 rows: tie-counting extraction after a tf32x3 dot
+    if not only or "rotation" in only:  # float32 rows (rotated in torch first): tie-counting extraction
         r = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0]
         kp, vp = pools()
-        record("fused rotation + mean, clip", lambda: quantize_write_triton(
+        record("rotation + mean (torch float32 rows), clip", lambda: quantize_write_triton(
             kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_mean=r[:, 0], v_mean=r[:, 1], k_clip=CLIP[0],
             v_clip=CLIP[1]))
     if baseline:

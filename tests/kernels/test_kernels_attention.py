@@ -16,7 +16,7 @@ import torch
 from kernel_helpers import DEVICE, build_cache, poisoned_pages, rel_err
 
 from oscarkv.kernels.decode_triton import decode_attention_triton
-from oscarkv.kernels import extend_triton
+from oscarkv.kernels import extend_tiles
 from oscarkv.kernels.extend_triton import extend_attention_triton
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.plan import DecodePlan
@@ -241,13 +241,13 @@ def test_extend_unpack_asm_is_exact():
     dequantizing variant equals one float16 rounding of ``code * s + o``."""
     rng = np.random.default_rng(0)
     for bf16 in (False, True):
-        asm = (extend_triton._UNPACK_BF16 if bf16 else extend_triton._UNPACK_F16).value
+        asm = (extend_tiles._UNPACK_BF16 if bf16 else extend_tiles._UNPACK_F16).value
         for v in range(256):
             for pos in range(4):
                 r = _run_ptx(asm, [v << (8 * pos)], bf16)
                 got = [(r[2 * j] + r[2 * j + 1])[pos] for j in range(4)]
                 assert got == [(v >> (2 * j)) & 3 for j in range(4)], (bf16, v, pos, got)
-    asm = extend_triton._DEQUANT_F16.value
+    asm = extend_tiles._DEQUANT_F16.value
     for v in range(256):
         s = rng.standard_normal(4).astype(np.float16) * np.float16(rng.choice([1e-3, 0.1, 10.0]))
         o = rng.standard_normal(4).astype(np.float16)

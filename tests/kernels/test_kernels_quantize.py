@@ -67,16 +67,11 @@ def test_quantize_write_bit_exact(d, bits, group, meta, clip):
     _assert_same(vp, vr)
 
 
-# default: rows rotated in torch float32 before the row kernel; "rot_fused": the in-kernel tf32x3 dot (it does
-# not fit sm_90's shared memory at d = 128, so it is exercised on the CPU interpreter only)
-ROT_FORMS = [(), pytest.param(("rot_fused",), marks=pytest.mark.skipif(GPU, reason="exceeds sm_90 shared memory"))]
-
-
-@pytest.mark.parametrize("form", ROT_FORMS)
 @pytest.mark.parametrize("per_head", [False, True])
-def test_quantize_write_fused_rotation(per_head, form):
-    """With x @ R fused, codes are bit-exact with quantize() of the float32 rows the kernel computed (exposed
-    through ``debug_rows``), and those rows match torch's x @ R to float32 rounding."""
+def test_quantize_write_rotation(per_head):
+    """With a mean and a rotation (applied in torch float32 before the row kernel), codes are bit-exact with
+    quantize() of the float32 rows used (exposed through ``debug_rows``), and those rows match x @ R to float32
+    rounding."""
     d = 128 if GPU else 64
     fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
     npages = N_ROWS // 8 + 2
@@ -91,7 +86,7 @@ def test_quantize_write_fused_rotation(per_head, form):
     slots = _slots(N_ROWS, fmt, npages)
     dbg = (torch.zeros(N_ROWS, HKV, d, device=DEVICE), torch.zeros(N_ROWS, HKV, d, device=DEVICE))
     quantize_write_triton(kp, vp, k, v, slots, k_rotation=rk, v_rotation=rv, k_mean=mk, v_mean=mv,
-                          k_clip=0.96, v_clip=0.92, debug_rows=dbg, variant=form)
+                          k_clip=0.96, v_clip=0.92, debug_rows=dbg)
     keep = (slots >= 0).cpu()
     for x, mu, r, rows in ((k, mk, rk, dbg[0]), (v, mv, rv, dbg[1])):
         eq = "nhd,de->nhe" if r.ndim == 2 else "nhd,hde->nhe"
@@ -202,7 +197,7 @@ def test_code_boundaries_are_the_rounding_thresholds():
     """The 2-bit codes compare v = div_rn(x - lo, s) with pred(0.5), 1.5, 2.5: equal to the reference
     clamp(floor(RN(v + 0.5)), 0, 3) on both sides of every boundary (both sides are monotone in v, so the
     boundaries decide everything), and on a sample of all magnitudes."""
-    from oscarkv.kernels.quantize_triton import _U1
+    from oscarkv.kernels.quantize_math import _U1
 
     u1 = torch.tensor(0.5).view(torch.int32) - 1
     assert torch.tensor(_U1.value, dtype=torch.float32).view(torch.int32) == u1
@@ -356,7 +351,7 @@ def test_variants_validated():
     kp, vp = _pools(fmt, 2)
     x = torch.randn(4, 1, 64, device=DEVICE)
     s = torch.arange(4, device=DEVICE)
-    for bad in (("clip_fast",), ("block_r=24",), ("warps=3",), ("bpp=0",), ("block_r=x",), "code_div"):
+    for bad in (("clip_fast",), ("block_r=24",), ("warps=3",), ("bpp=0",), ("block_r=x",), "code_div", ("rot_fused",)):
         with pytest.raises(ValueError):
             quantize_write_triton(kp, vp, x, x, s, variant=bad)
     fmt4 = PageFormat(num_kv_heads=1, head_dim=64, page_size=16, bits=4)
@@ -411,10 +406,9 @@ def test_gpu_benchmark_shape_every_variant_bit_exact():
     _assert_same(vp, vr2)
 
 
-@pytest.mark.parametrize("form", ROT_FORMS)
 @pytest.mark.parametrize("d,bits", [(96, 2), (32, 4)])
-def test_fused_rotation_padded_quarters(d, bits, form):
-    """Fused rotation where the quarters are padded (d/4 = 24, or 8 < the 16 columns tl.dot needs): codes
+def test_rotation_small_and_padded_quarters(d, bits):
+    """Rotated rows with padded quarters (d/4 = 24 in 32 columns) or short ones (d/4 = 8), 4-bit too: codes
     bit-exact with quantize() of the kernel's rows, and those rows match x @ R to float32 rounding."""
     fmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16, bits=bits)
     kp, vp = _pools(fmt, 3)
@@ -424,8 +418,7 @@ def test_fused_rotation_padded_quarters(d, bits, form):
     v = torch.randn(20, 2, d, device=DEVICE)
     slots = _slots(20, fmt, 3)
     dbg = (torch.zeros(20, 2, d, device=DEVICE), torch.zeros(20, 2, d, device=DEVICE))
-    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg,
-                          variant=form)
+    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg)
     keep = (slots >= 0).cpu()
     for x, rows in ((k, dbg[0]), (v, dbg[1])):
         want = x.double().cpu() @ r.double().cpu()
