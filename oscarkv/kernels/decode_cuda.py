@@ -40,11 +40,15 @@ def nvcc() -> str | None:
     return None
 
 
-def supported(fmt: PageFormat) -> bool:
-    """Formats the CUDA kernel handles (2-bit token pages, one group per row, d 64/128/256, page a multiple of
-    16). Keys in channel pages are not supported here (the Triton kernel handles them)."""
+def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torch.dtype | None = None) -> bool:
+    """Whether the CUDA kernel can run: formats (2-bit token pages, one group per row, d 64/128/256, page a
+    multiple of 16; keys in channel pages go to the Triton kernel), 16-bit tiers of ``dtype16`` float16 or
+    bfloat16 only (float32 windows go to the Triton kernel) and queries of ``q_dtype`` float32/float16/bfloat16
+    (a dtype left None is not checked); nvcc or a prebuilt cubin cache."""
     return (fmt.layout == "token" and fmt.bits == 2 and fmt.groups == 1 and fmt.head_dim in (64, 128, 256)
             and fmt.page_size % 16 == 0
+            and (dtype16 is None or dtype16 in (torch.float16, torch.bfloat16))
+            and (q_dtype is None or q_dtype in _DT)
             and (nvcc() is not None or any(_cache_dir().glob("*.cubin"))))
 
 

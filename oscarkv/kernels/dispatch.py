@@ -59,14 +59,22 @@ def _write_supported(k_pages: QuantPages, v_pages: QuantPages) -> bool:
     return not fk.channel or (fk.page_size >= 16 and not fk.page_size & (fk.page_size - 1))
 
 
-def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None) -> str:
+def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None, dtype16=None, q_dtype=None) -> str:
     """Resolve ``backend`` to "reference", "triton" or "cuda" for tensors on ``device``; ``supported``: the
     kernels handle this format (else "auto" falls back to the reference); ``cuda_fmt``: the page format, for
-    ops that have a CUDA C++ kernel."""
+    ops that have a CUDA C++ kernel, with the dtypes of the 16-bit tiers and the queries it runs on ("auto"
+    picks the CUDA kernel only where :func:`decode_cuda.supported` says it can run)."""
     cuda_ok = cuda_fmt is not None
-    if backend == "cuda" and cuda_ok and cuda_fmt.channel:
-        raise ValueError("the CUDA decode kernel does not support keys in channel pages: use backend='triton' "
-                         "(or 'auto', which picks it)")
+    if backend == "cuda" and cuda_ok:
+        from . import decode_cuda
+
+        if cuda_fmt.channel:
+            raise ValueError("the CUDA decode kernel does not support keys in channel pages: use backend='triton' "
+                             "(or 'auto', which picks it)")
+        if decode_cuda.supported(cuda_fmt) and not decode_cuda.supported(cuda_fmt, dtype16, q_dtype):
+            raise ValueError(f"the CUDA decode kernel reads float16/bfloat16 16-bit tiers and float32/float16/"
+                             f"bfloat16 queries, got {dtype16} tiers and {q_dtype} queries: use backend='triton' "
+                             "(or 'auto', which picks it), or keep the 16-bit tiers in float16/bfloat16")
     if backend not in BACKENDS or (backend == "cuda" and not cuda_ok):
         allowed = BACKENDS if cuda_ok else tuple(b for b in BACKENDS if b != "cuda")
         raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
@@ -81,7 +89,7 @@ def _pick(backend: str, device: torch.device, supported: bool, cuda_fmt=None) ->
     if cuda_ok:
         from . import decode_cuda
 
-        if decode_cuda.supported(cuda_fmt):
+        if decode_cuda.supported(cuda_fmt, dtype16, q_dtype):
             return "cuda"
     return "triton"
 
@@ -133,10 +141,10 @@ def decode_attention(
     """One query per sequence (``q [B, Hq, d]``, rotated) over its 16-bit tiers (``k16/v16 [B, Hkv, C16, d]``,
     ``len16 [B]``) and 2-bit pages (``block_table [B, max_pages]``, ``qlen [B]``, int32). Returns
     ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths).
-    Keys in channel pages run on the Triton kernel ("auto" never picks the CUDA C++ kernel for them)."""
-    which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt)
-    if which == "cuda" and backend == "auto" and k16.dtype not in (torch.float16, torch.bfloat16):
-        which = "triton"  # the CUDA C++ kernel reads 16-bit tiers only (float32 windows: the Triton kernel)
+    Keys in channel pages and float32 16-bit tiers run on the Triton kernel ("auto" never picks the CUDA C++
+    kernel for them; ``backend="cuda"`` raises ``ValueError``)."""
+    which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt,
+                  dtype16=k16.dtype, q_dtype=q.dtype)
     if which == "reference":
         res = ref.decode_attention_ref(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale)
         if out is None:

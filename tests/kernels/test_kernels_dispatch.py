@@ -48,6 +48,46 @@ def test_backend_selection():
         assert _pick("auto", cuda, True) == "triton"
 
 
+def test_cuda_backend_routing_by_dtype(monkeypatch, tmp_path):
+    """"auto" picks the CUDA C++ decode kernel only for what it runs (float16/bfloat16 16-bit tiers,
+    float32/16 queries, token pages); float32 tiers go to Triton, and an explicit backend="cuda" with them
+    raises a ValueError that names the way out. Availability is monkeypatched (no GPU or nvcc needed)."""
+    from oscarkv.kernels import decode_cuda, dispatch
+    from oscarkv.kernels.layout import PageFormat
+
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(decode_cuda, "nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    cuda = torch.device("cuda")
+    fmt = PageFormat(num_kv_heads=2, head_dim=128, page_size=64)
+    chan = PageFormat(num_kv_heads=2, head_dim=128, page_size=64, layout="channel")
+    assert decode_cuda.supported(fmt) and decode_cuda.supported(fmt, torch.bfloat16, torch.float32)
+    assert not decode_cuda.supported(fmt, torch.float32) and not decode_cuda.supported(fmt, None, torch.float64)
+    assert not decode_cuda.supported(chan, torch.bfloat16, torch.bfloat16)
+
+    def pick(backend, dt16, qdt, f=fmt):
+        return _pick(backend, cuda, True, cuda_fmt=f, dtype16=dt16, q_dtype=qdt)
+
+    for dt16 in (torch.float16, torch.bfloat16):
+        for qdt in (torch.float32, torch.float16, torch.bfloat16):
+            assert pick("auto", dt16, qdt) == "cuda"
+            assert pick("cuda", dt16, qdt) == "cuda"
+    assert pick("auto", torch.float32, torch.float32) == "triton"
+    assert pick("auto", torch.float32, torch.bfloat16) == "triton"
+    assert pick("auto", torch.bfloat16, torch.float64) == "triton"
+    assert pick("auto", torch.bfloat16, torch.bfloat16, chan) == "triton"
+    assert pick("triton", torch.float32, torch.float32) == "triton"
+    with pytest.raises(ValueError, match=r"float16/bfloat16 16-bit tiers.*torch.float32 tiers.*backend='triton'"):
+        pick("cuda", torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="channel pages"):
+        pick("cuda", torch.bfloat16, torch.bfloat16, chan)
+    with kernels.use_reference():
+        assert pick("auto", torch.bfloat16, torch.bfloat16) == "reference"
+    # without nvcc and without prebuilt cubins "auto" never picks the CUDA kernel
+    monkeypatch.setattr(decode_cuda, "nvcc", lambda: None)
+    monkeypatch.setattr(decode_cuda, "_cache_dir", lambda: tmp_path)
+    assert pick("auto", torch.bfloat16, torch.bfloat16) == "triton"
+
+
 def test_import_layering():
     """kernels imports without triton and never pulls in transformers or the engine."""
     code = (
