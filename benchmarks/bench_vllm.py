@@ -67,7 +67,8 @@ def child(spec: dict) -> None:
 
     kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               gpu_memory_utilization=spec["util"], max_model_len=spec["max_model_len"], seed=0,
-              enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1)
+              enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1,
+              max_num_batched_tokens=spec["max_batched_tokens"])
     if spec.get("oscar"):
         kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
     t0 = time.time()
@@ -97,14 +98,45 @@ def child(spec: dict) -> None:
         prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()} for _ in range(n)]
         sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
-        torch.cuda.synchronize()
-        t0 = time.time()
-        llm.generate(prompts, sp, use_tqdm=False)
-        torch.cuda.synchronize()
-        dt = time.time() - t0
-        out.update(num_seqs=n, context=ctx, gen=new, wall_s=dt, output_tok_s=n * new / dt,
-                   total_tok_s=n * (ctx + new) / dt)
+        out.update(num_seqs=n, context=ctx, gen=new, **timed_generate(llm.llm_engine, prompts, sp))
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def timed_generate(engine, prompts: list, sp) -> dict:
+    """Run ``prompts`` through the engine's step loop and time its phases: the whole run (prefill included), and
+    the steady decode window in which every sequence is decoding (from the step after which all have their first
+    token to the first step that finishes one), i.e. decode throughput at batch ``len(prompts)``."""
+    import torch
+
+    tokens: dict[str, int] = {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    window_start = window_end = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            tokens[o.request_id] = len(o.outputs[0].token_ids)  # cumulative output kind
+        done = sum(tokens.values())
+        if window_start is None and len(tokens) == len(prompts):
+            window_start = (now, done)
+        if window_end is None and window_start is not None and any(o.finished for o in outs):
+            window_end = (now, done - sum(1 for o in outs if o.finished))  # tokens of steps before this one
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n, new = len(prompts), sp.max_tokens
+    res = {"wall_s": wall, "output_tok_s": n * new / wall, "total_tok_s": n * (len(prompts[0]["prompt_token_ids"])
+                                                                               + new) / wall}
+    if window_start is not None:
+        res["prefill_phase_s"] = window_start[0] - t0
+    if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
+        steps_tok = window_end[1] - window_start[1]
+        dt = window_end[0] - window_start[0]
+        res.update(decode_window_s=dt, decode_window_tokens=steps_tok, decode_tok_s=steps_tok / dt,
+                   decode_step_ms=1e3 * dt / max(1, steps_tok / n))
+    return res
 
 
 def run_child(spec: dict, timeout: float) -> tuple[dict | None, str]:
@@ -163,7 +195,9 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/oscar-vllm-bench")
     ap.add_argument("--util", type=float, default=0.15)
     ap.add_argument("--context", type=int, default=32000)
-    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=256, help="tokens generated per sequence")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per prompt)")
     ap.add_argument("--deadline", type=float, default=200.0, help="seconds for the whole run")
     a = ap.parse_args()
     if a.child:
@@ -174,10 +208,12 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     model_dir, calib_dir = make_model(root)
     report = {"provenance": provenance(), "model": {"shape": "Qwen3-0.6B-like, random weights", **QWEN3},
-              "settings": {"gpu_memory_utilization": a.util, "context": a.context, "gen": a.gen, "enforce_eager": True},
+              "settings": {"gpu_memory_utilization": a.util, "context": a.context, "gen": a.gen, "enforce_eager": True,
+                           "max_num_batched_tokens": a.max_batched_tokens or a.context + a.gen + 64},
               "runs": {}, "logs": {}}
-    common = {"model": str(model_dir), "util": a.util, "max_model_len": a.context + a.gen + 64,
-              "context": a.context, "gen": a.gen}
+    max_len = a.context + a.gen + 64
+    common = {"model": str(model_dir), "util": a.util, "max_model_len": max_len, "context": a.context, "gen": a.gen,
+              "max_batched_tokens": a.max_batched_tokens or max_len}
     plan = [  # OSCAR first: its logits check matters most if the deadline cuts the run short
         ("oscar", {**common, "oscar": {"calibration": str(calib_dir)}, "max_num_seqs": 48,
                    "logits_prompts": [1200, 700], "logits_out": str(root / "oscar_logits.pt")}),
@@ -193,8 +229,9 @@ def main() -> None:
     r = {k: report["runs"].get(k) or {} for k in ("oscar", "bf16")}
     if r["oscar"].get("kv_capacity_tokens") and r["bf16"].get("kv_capacity_tokens"):
         report["kv_capacity_ratio"] = r["oscar"]["kv_capacity_tokens"] / r["bf16"]["kv_capacity_tokens"]
-    if r["oscar"].get("output_tok_s") and r["bf16"].get("output_tok_s"):
-        report["throughput_ratio"] = r["oscar"]["output_tok_s"] / r["bf16"]["output_tok_s"]
+    for key in ("output_tok_s", "decode_tok_s"):
+        if r["oscar"].get(key) and r["bf16"].get(key):
+            report[key.replace("_tok_s", "") + "_throughput_ratio"] = r["oscar"][key] / r["bf16"][key]
     try:
         report["logits_check"] = logits_check(model_dir, calib_dir, root / "oscar_logits.pt")
     except Exception as e:  # recorded, not hidden

@@ -25,7 +25,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .core import StepMeta, build_step, carve, dense_step, page_bytes, quant_step
+from ...kernels.plan import DecodePlan
+from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, quant_step
 from .options import OscarOptions, OscarVllmError
 from .runtime import layer_params, local_kv_heads, runtime
 from .windows import WindowSlots
@@ -113,6 +114,12 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.slots = WindowSlots(self.rt.num_slots) if self.rt.windows else None
         self._warned = 0
+        self.device = torch.device(device)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.num_q_heads = self.rt.model.num_q_heads // tp  # this rank's query heads
+        self.max_seqs = vllm_config.scheduler_config.max_num_seqs
+        self._plan: DecodePlan | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
@@ -125,6 +132,11 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         keys = bt[:, 0].cpu().numpy().astype(np.int64) if self.slots is not None else None
         step = build_step(self.rt.tiers, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
                           cam.slot_mapping[: cam.num_actual_tokens], self.block_size)
+        if self.rt.windows and self.device.type == "cuda":  # one split plan per step, shared by the layers
+            self._plan = decode_plan(self._plan, step, max_seqs=self.max_seqs, num_q_heads=self.num_q_heads,
+                                     num_kv_heads=self.num_kv_heads, head_dim=self.rt.model.head_dim,
+                                     block_size=self.block_size, rows16=self.rt.tiers.rows16, device=self.device)
+            step.plan = self._plan if step.num_decodes else None
         if self.slots is not None and self.slots.degraded > self._warned:
             self._warned = self.slots.degraded
             logger.warning("OSCAR: %d sequence step(s) read without 16-bit windows (raise oscar.max_seqs)",

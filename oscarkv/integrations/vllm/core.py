@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ...kernels.layout import PageFormat, QuantPages
+from ...kernels.plan import DecodePlan
 from .options import Tiering
 from .windows import WindowSlots, step_indices
 
@@ -91,6 +92,8 @@ class StepMeta:
     ring_rows: Tensor | None  # int64 [T]: flat 16-bit pool row of each new token (None: no windows)
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, tok_start, tok_end, n0)
     seq_lens: list[int] = field(default_factory=list)  # tokens after this step (16-bit mode only)
+    max_qlen: int = 0  # longest 2-bit tier read by a decode row (sizes the decode plan's splits)
+    plan: DecodePlan | None = None  # decode split geometry + workspace, planned once per step for every layer
 
 
 def build_step(
@@ -127,8 +130,22 @@ def build_step(
         len16=to_dev(idx.len16, torch.int32), gather=to_dev(idx.gather, torch.int64),
         ring_rows=to_dev(idx.ring_rows, torch.int64) if slots is not None else None,
         prefills=[(r, int(qsl[r]), int(qsl[r + 1]), int(seq[r] - qlens[r])) for r in range(nd, B)],
-        seq_lens=seq.tolist(),
+        seq_lens=seq.tolist(), max_qlen=int(idx.qlen[:nd].max()) if nd else 0,
     )
+
+
+def decode_plan(plan: DecodePlan | None, m: StepMeta, *, max_seqs: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, block_size: int, rows16: int, device: torch.device) -> DecodePlan | None:
+    """The decode kernels' split plan for step ``m``: ``plan`` re-planned from two host integers (batch, longest
+    2-bit tier), or a new one when there is none or it was built for a narrower block table. Shared by every
+    layer of the step (one workspace, used layer after layer on one stream). None without decode rows."""
+    if not m.num_decodes:
+        return plan
+    width = m.bt2.shape[1]
+    if plan is None or plan.max_pages < width:
+        plan = DecodePlan(max_batch=max_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, page_size=block_size, max_pages=width, max_len16=rows16, device=device)
+    return plan.update(m.num_decodes, m.max_qlen)
 
 
 def rotate_kv(x: Tensor, mu: Tensor, r: Tensor) -> Tensor:
@@ -167,14 +184,17 @@ def quant_step(
     qr = rotate_q(q, p.r_k).to(act)
     kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)
     k16new, v16new = kr.to(p.dtype16), vr.to(p.dtype16)
-    kr, vr = kr.to(act), vr.to(act)
+    if pools is None or m.prefills:  # the chunk's (or a window-less decode's) own K/V, unrounded
+        kr, vr = kr.to(act), vr.to(act)
     H, d = k.shape[1], k.shape[2]
     empty16 = q.new_zeros(1, H, 1, d)
     pre16 = {}
     if pools is not None:
         flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in pools)
-        for row, *_ in m.prefills:  # the prefix as stored, before this chunk enters the ring
-            pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None], flat_v[m.gather[row]].permute(1, 0, 2)[None])
+        for row, _, _, n0 in m.prefills:  # the prefix as stored, before this chunk enters the ring
+            if n0:
+                pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None],
+                              flat_v[m.gather[row]].permute(1, 0, 2)[None])
     quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
     if pools is not None:
         flat_k.index_copy_(0, m.ring_rows, k16new)
@@ -183,16 +203,29 @@ def quant_step(
     if nd and pools is not None:  # the new token is read back from the ring
         k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
         v16 = flat_v[m.gather[:nd]].permute(0, 2, 1, 3)
-        decode_attention(qr[:nd], kp, vp, m.bt2[:nd], m.qlen[:nd], k16, v16, m.len16[:nd], p.sm_scale, out=out[:nd])
+        decode_attention(qr[:nd], kp, vp, m.bt2[:nd], m.qlen[:nd], k16, v16, m.len16[:nd], p.sm_scale, plan=m.plan,
+                         out=out[:nd])
     elif nd:  # no windows: each decode token attends to its quantized prefix and to itself unrounded
         z = empty16.expand(nd, H, 1, d)
         extend_attention(qr[:nd, None], kr[:nd, None], vr[:nd, None], kp, vp, m.bt2[:nd], m.qlen[:nd], z, z,
                          m.len16[:nd], p.sm_scale, out=out[:nd, None])
-    for row, a, b, _ in m.prefills:
+    for row, a, b, n0 in m.prefills:
+        if n0 == 0 and q.is_cuda:  # nothing stored before this chunk: causal attention over it (FlashAttention)
+            out[a:b] = causal_self_attention(qr[a:b], kr[a:b], vr[a:b], p.sm_scale)
+            continue
         k16, v16 = pre16.get(row, (empty16, empty16))
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
                          m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=out[None, a:b])
     return unrotate_out(out, p)
+
+
+def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
+    """A chunk's causal attention to itself, q ``[T, Hq, d]``, k/v ``[T, Hkv, d]`` -> ``[T, Hq, d]`` (torch SDPA,
+    i.e. FlashAttention on CUDA: the extend kernel's result when no prefix is stored, within its error budget)."""
+    g = q.shape[1] // k.shape[1]
+    kh, vh = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, is_causal=True, scale=sm_scale)
+    return o.transpose(0, 1)
 
 
 def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m: StepMeta) -> Tensor:
@@ -222,4 +255,5 @@ def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m:
     return unrotate_out(out, p)
 
 
-__all__ = ["page_bytes", "carve", "LayerParams", "StepMeta", "build_step", "quant_step", "dense_step", "ops"]
+__all__ = ["page_bytes", "carve", "LayerParams", "StepMeta", "build_step", "quant_step", "dense_step", "ops",
+           "causal_self_attention", "decode_plan"]

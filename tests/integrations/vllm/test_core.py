@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from oscarkv.integrations.vllm.core import LayerParams, build_step, carve, dense_step, page_bytes, quant_step
+from oscarkv.integrations.vllm.core import (LayerParams, build_step, carve, causal_self_attention, decode_plan,
+                                           dense_step, page_bytes, quant_step)
 from oscarkv.integrations.vllm.options import Tiering
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
@@ -47,7 +48,8 @@ def test_window_slots_recycle_least_recent_and_degrade():
 class Sim:
     """Sequences through vLLM-like steps (block tables, slot mapping), checked against a dense model."""
 
-    def __init__(self, tiers, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0):
+    def __init__(self, tiers, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0, plan=False):
+        self.use_plan, self.plan = plan, None  # plan: one DecodePlan re-planned per step, as the metadata builder
         gen = torch.Generator().manual_seed(seed)
         self.gen, self.tiers, self.H, self.g, self.d, self.block = gen, tiers, H, g, d, block
         fmt = PageFormat(H, d, page_size=block)
@@ -83,6 +85,11 @@ class Sim:
         keys = np.array([self.tables[s][0] for s, _ in batch]) if self.slots else None
         m = build_step(self.tiers, self.slots, self.num_slots, np.array(qsl), np.array(seq), keys, bt,
                        torch.tensor(slot_map), self.block)
+        if self.use_plan and self.pools is not None:
+            self.plan = decode_plan(self.plan, m, max_seqs=self.num_slots, num_q_heads=self.H * self.g,
+                                    num_kv_heads=self.H, head_dim=self.d, block_size=self.block,
+                                    rows16=self.tiers.rows16, device=self.kv.device)
+            m.plan = self.plan if m.num_decodes else None
         got = quant_step(q, k, v, self.pages, self.pools, self.p, m)
         expected = torch.empty_like(got)
         for r, (sid, t) in enumerate(batch):
@@ -174,3 +181,32 @@ def test_dense_step_is_exact_attention():
             sc = sc.masked_fill(torch.arange(len(K))[None, None] > pos, float("-inf"))
             ref = torch.einsum("thj,jhd->thd", sc.softmax(-1), V)
             torch.testing.assert_close(out[qsl[r]:qsl[r + 1]], ref, atol=2e-4, rtol=1e-4)
+
+
+def test_causal_self_attention_is_the_extend_reference_without_a_prefix():
+    """The fresh-chunk path (SDPA) computes what the extend reference computes for a chunk with nothing stored."""
+    from oscarkv.kernels.reference import extend_attention_ref
+
+    gen = torch.Generator().manual_seed(3)
+    T, H, g, d = 23, 2, 3, 64
+    q, k, v = torch.randn(T, H * g, d, generator=gen), torch.randn(T, H, d, generator=gen), torch.randn(T, H, d, generator=gen)
+    fmt = PageFormat(H, d, page_size=16)
+    from oscarkv.kernels.layout import QuantPages
+
+    pages = QuantPages.allocate(fmt, 1)
+    zeros, z16 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, H, 1, d)
+    want = extend_attention_ref(q[None], k[None], v[None], pages, pages, torch.zeros(1, 1, dtype=torch.int32), zeros,
+                                z16, z16, zeros, d**-0.5)[0]
+    got = causal_self_attention(q, k, v, d**-0.5)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-5)
+
+
+def test_decode_plan_is_built_once_and_replanned_per_step():
+    tiers = Tiering(sink=16, window=16, page=16)
+    sim = Sim(tiers, plan=True)
+    for batch in ([("a", 40), ("b", 3)], [("a", 1), ("b", 1)], [("a", 1), ("b", 1), ("c", 5)], [("a", 1)]):
+        got, want = sim.step(batch)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        if batch == [("a", 1), ("b", 1)]:
+            first = sim.plan
+    assert sim.plan is first and sim.plan.batch == 1 and sim.plan.max_batch == sim.num_slots

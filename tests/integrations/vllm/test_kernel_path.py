@@ -35,8 +35,8 @@ triton_ops = (quantize_write_triton, counted("decode", decode_attention_triton),
 ref_ops = core.ops()
 for tiers in (Tiering(sink=16, window=16, page=16), Tiering(0, 0, 16, enabled=False)):
     sims = []
-    for _ in range(2):
-        s = Sim(tiers, H=2, g=2, d=64, block=16, nb=16)
+    for i in range(2):  # the kernel side re-plans one DecodePlan per step, as the metadata builder does
+        s = Sim(tiers, H=2, g=2, d=64, block=16, nb=16, plan=i == 1)
         s.p.dtype16 = torch.float32  # the interpreter's dots are only reliable in float32
         if s.pools is not None:
             s.pools = tuple(torch.zeros_like(p, dtype=torch.float32) for p in s.pools)
