@@ -5,6 +5,8 @@
 # Device call 1:         bash benchmarks/vllm_h200.sh stage1      carry: .carry/vllm-so           (~55 MB)
 # Device call 2 (warm):  OSCARKV_GIT_SHA=<sha> bash benchmarks/vllm_h200.sh stage2   carry: .carry/vllm-rest (~35 MB)
 # (within the 30 s the machine stays warm: stage1 leaves the library in /tmp/slim on that machine).
+# When the tracked tree plus 55 MB exceeds a call's 64 MiB, send the library in two halves instead of stage1:
+#   bash benchmarks/vllm_h200.sh stage1a   carry: .carry/vllm-so1   then (warm)   ... stage1b   carry: .carry/vllm-so2
 # Tensor parallelism (issue 8, kind nvidia-h200-x2): stage1, then `bash benchmarks/vllm_h200.sh tp1` and
 # `... tp2` (carry .carry/vllm-rest each; the second finds the model written by the first if the machine is warm),
 # then locally: python benchmarks/bench_vllm_tp.py --merge tp1.json tp2.json --out docs/results/vllm_tp2_h200.json
@@ -21,6 +23,8 @@ prepare)
     vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs vllm/_flashmla* vllm/_qutlass* \
     vllm/third_party/fmha_sm100 vllm/third_party/deep_gemm)
   xz -9 -c "$tmp/vllm/_C_stable_libtorch.abi3.so" > .carry/vllm-so/C.so.xz
+  mkdir -p .carry/vllm-so1 .carry/vllm-so2 && split -n 2 -d .carry/vllm-so/C.so.xz "$tmp/Cpart" \
+    && mv "$tmp/Cpart00" .carry/vllm-so1/C.so.xz.00 && mv "$tmp/Cpart01" .carry/vllm-so2/C.so.xz.01
   rm "$tmp/vllm/_C_stable_libtorch.abi3.so"
   tar cf - -C "$tmp" vllm vllm-0.26.0.dist-info | xz -6 > .carry/vllm-rest/vllm.tar.xz
   # The pure-Python (and a few binary) dependencies the engine imports, at versions vllm 0.26.0 accepts.
@@ -38,6 +42,12 @@ prepare)
   du -sh .carry/vllm-so .carry/vllm-rest ;;
 stage1)
   mkdir -p /tmp/slim && xz -dc .carry/vllm-so/C.so.xz > /tmp/slim/_C_stable_libtorch.abi3.so
+  ls -la /tmp/slim; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+stage1a)
+  mkdir -p /tmp/slim && cp .carry/vllm-so1/C.so.xz.00 /tmp/slim/ && ls -la /tmp/slim ;;
+stage1b)
+  [ -f /tmp/slim/C.so.xz.00 ] || { echo "stage1a's half is gone (a fresh machine): run stage1a again"; exit 3; }
+  cat /tmp/slim/C.so.xz.00 .carry/vllm-so2/C.so.xz.01 | xz -dc > /tmp/slim/_C_stable_libtorch.abi3.so
   ls -la /tmp/slim; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
 stage2|tp1|tp2)
   [ -f /tmp/slim/_C_stable_libtorch.abi3.so ] || { echo "stage1's files are gone (a fresh machine): run stage1 again"; exit 3; }
@@ -59,5 +69,5 @@ stage2|tp1|tp2)
     python3 benchmarks/bench_vllm_tp.py --phase "$1" --out "${OUT:-.}/$1.json" --deadline "${DEADLINE:-500}" ${TP_ARGS:-}
   fi ;;
 *)
-  echo "usage: $0 prepare|stage1|stage2|tp1|tp2"; exit 2 ;;
+  echo "usage: $0 prepare|stage1|stage1a|stage1b|stage2|tp1|tp2"; exit 2 ;;
 esac
