@@ -199,27 +199,17 @@ if GPU:
                  (3, 4, 6, 64, 64, [64, 0, 999], [0, 1, 64], 64, 129, torch.float16)]
 
 
-@pytest.mark.parametrize("case", EXT_CASES)
-def test_channel_extend_matches_float64_reference(case):
-    B, hkv, g, d, ps, lens, lens16, c16, T, dt = case
-    kp, vp, bt, ql, k16, v16, l16 = build_cache(B, hkv, g, d, ps, lens, lens16, c16, dtype16=dt,
-                                                key_layout="channel")
-    q = torch.randn(B, T, hkv * g, d, device=DEVICE, dtype=dt)
-    kn = torch.randn(B, T, hkv, d, device=DEVICE, dtype=dt)
-    vn = torch.randn(B, T, hkv, d, device=DEVICE, dtype=dt)
-    out = extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, block_m=32 if not GPU else 64,
-                                  block_n=16 if not GPU else 64)
-    ref = extend_attention_ref(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)
-    assert rel_err(out, ref) < {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dt]
+# the default launcher on every case, then every variant (on the GPU, on the second case only)
+EXT_VARIANTS = [{}, {"fold": "factor"}, {"unpack": "fields"}, {"unpack": "vcat"}, {"rescale": "lazy"}]
+EXT_PARAMS = [pytest.param(case, v, id=f"case{i}-" + (",".join(f"{k}={x}" for k, x in v.items()) or "default"))
+              for v in EXT_VARIANTS for i, case in enumerate(EXT_CASES) if not v or not GPU or i > 0]
 
 
-@pytest.mark.parametrize("variant", [{"fold": "factor"}, {"unpack": "fields"}, {"unpack": "vcat"},
-                                     {"rescale": "lazy"}],
-                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
-@pytest.mark.parametrize("case", EXT_CASES if not GPU else EXT_CASES[1:])
-def test_channel_extend_variants(case, variant):
-    """Channel-page keys go through every extend variant (their tiles are always dequantized per channel; the
-    variant changes the values' path, the layout and the rescale)."""
+@pytest.mark.parametrize("case,variant", EXT_PARAMS)
+def test_channel_extend_matches_float64_reference(case, variant):
+    """Channel-page keys through the default extend launcher and every variant (their tiles are always
+    dequantized per channel; the variant changes the values' path, the layout and the rescale): within the
+    error budget of float64 attention over the dequantized cache."""
     B, hkv, g, d, ps, lens, lens16, c16, T, dt = case
     kp, vp, bt, ql, k16, v16, l16 = build_cache(B, hkv, g, d, ps, lens, lens16, c16, dtype16=dt,
                                                 key_layout="channel")

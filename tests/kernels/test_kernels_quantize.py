@@ -115,11 +115,21 @@ def test_clip_threshold_exact_with_ties():
         _assert_same(vp, vr)
 
 
-def test_demote_bit_exact():
+@pytest.mark.parametrize("ties,k_clip,v_clip,form", [
+    (False, 0.96, 0.92, ()),
+    *[(True, 0.9, 0.05, form) for form in [(), ("clip_bottom",), ("clip_bisect",), ("code_thr8",)]],
+], ids=["bf16", "ties", "ties-clip_bottom", "ties-clip_bisect", "ties-code_thr8"])
+def test_demote_bit_exact(ties, k_clip, v_clip, form):
+    """Demotion (gather mode) bit-exact with demote_ref: bfloat16 K and V at the default clips, and float16 keys
+    full of ties (small integers) with a V clip that extracts bottom-up, under the default and forced
+    order-statistic and code formulations."""
     d = 128 if GPU else 64
     fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
     B, c16 = 3, 40
-    k16 = torch.randn(B, HKV, c16, d, device=DEVICE, dtype=torch.bfloat16)
+    if ties:
+        k16 = (torch.randn(B, HKV, c16, d, device=DEVICE) * 2).round().to(torch.float16)
+    else:
+        k16 = torch.randn(B, HKV, c16, d, device=DEVICE, dtype=torch.bfloat16)
     v16 = torch.randn(B, HKV, c16, d, device=DEVICE, dtype=torch.bfloat16)
     n = 24
     seq = torch.randint(0, B, (n,), device=DEVICE, dtype=torch.int32)
@@ -127,8 +137,8 @@ def test_demote_bit_exact():
     kp, vp = _pools(fmt, 4)
     kr, vr = _cpu_copy(kp), _cpu_copy(vp)
     slots = _slots(n, fmt, 4)
-    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92)
-    demote_ref(kr, vr, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=k_clip, v_clip=v_clip, variant=form)
+    demote_ref(kr, vr, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=k_clip, v_clip=v_clip)
     _assert_same(kp, kr)
     _assert_same(vp, vr)
 
@@ -325,25 +335,6 @@ def test_launch_knobs_bit_exact():
     x = _tie_rows(45, 2, 64, torch.bfloat16)
     for knobs in (("block_r=16",), ("block_r=64", "warps=2"), ("bpp=1", "prefetch=0"), ("bpp=3", "block_r=16")):
         _round_trip(x, 0.96, 0.92, knobs)
-
-
-@pytest.mark.parametrize("form", [(), ("clip_bottom",), ("clip_bisect",), ("code_thr8",)])
-def test_demote_formulations_bit_exact(form):
-    d = 128 if GPU else 64
-    fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
-    B, c16 = 3, 40
-    k16 = (torch.randn(B, HKV, c16, d, device=DEVICE) * 2).round().to(torch.float16)
-    v16 = torch.randn(B, HKV, c16, d, device=DEVICE, dtype=torch.bfloat16)
-    n = 24
-    seq = torch.randint(0, B, (n,), device=DEVICE, dtype=torch.int32)
-    src = torch.randint(0, c16, (n,), device=DEVICE, dtype=torch.int32)
-    kp, vp = _pools(fmt, 4)
-    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
-    slots = _slots(n, fmt, 4)
-    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.9, v_clip=0.05, variant=form)
-    demote_ref(kr, vr, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.9, v_clip=0.05)
-    _assert_same(kp, kr)
-    _assert_same(vp, vr)
 
 
 def test_variants_validated():
