@@ -141,13 +141,18 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
     row = {"batch": batch, "context": ctx, "tokens_2bit": n2, "bytes": nbytes}
     out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     for impl in impls:
-        # "cuda[:N][:mk|:fm][:f|:s]": N programs per SM, separate merge kernel / fused last-CTA merge, both tiers
-        # in one launch / one per tier; "triton[:warps]"
+        # "cuda[:N][:mk|:fm][:f|:s][:subn][:lazy]": N programs per SM, separate merge kernel / fused last-CTA
+        # merge, both tiers in one launch / one per tier, compile-time variants of the 2-bit loop
+        # (decode_cuda.VARIANTS; none named = none, whatever $OSCARKV_CUDA_DECODE_VARIANT says); "triton[:warps]"
+        from oscarkv.kernels.decode_cuda import VARIANTS
+
         name, *opts = impl.split(":")
         ppsm = next((int(o) for o in opts if o.isdigit()), None)
         kw = {"merge": "kernel"} if "mk" in opts else {"merge": "fused"} if "fm" in opts else {}
         if "f" in opts or "s" in opts:
             kw["fused"] = "f" in opts
+        if name == "cuda":
+            kw["variant"] = "+".join(o for o in opts if o in VARIANTS)
         plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
                           **({"programs_per_sm": ppsm} if ppsm and name == "cuda" else {})).update(batch)
         try:

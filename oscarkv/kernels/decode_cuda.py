@@ -52,11 +52,29 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
             and (nvcc() is not None or any(_cache_dir().glob("*.cubin"))))
 
 
-def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: int, arch: int = 90) -> tuple:
+# Compile-time variants of the 2-bit loop (csrc/decode_int2.cu header), all off by default: "subn" (codes as
+# float16 subnormals, no 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3).
+VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_"}
+VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # default of ``variant=`` when None, e.g. "subn+lazy"
+
+
+def _variant_flags(variant: str | None) -> dict[str, int]:
+    if variant is None:
+        variant = os.environ.get(VARIANT_ENV, "")
+    names = [v for v in variant.replace(",", "+").split("+") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown CUDA decode variant(s) {bad}: choose from {sorted(VARIANTS)}, joined by '+'")
+    return {define: int(name in names) for name, define in VARIANTS.items()}
+
+
+def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: int, arch: int = 90,
+               variant: str | None = "") -> tuple:
     minb = 4 if d <= 128 else 2
+    flags = _variant_flags(variant)
     return (("D_", d), ("GQ_", g), ("PS_", page), ("NW_", _NW), ("QT_", _DT[q_dtype]), ("T16_", _DT[dtype16]),
             ("MT_", _DT[meta_dtype] if meta_dtype != torch.float32 else 0), ("MINB_", minb), ("PART_", part),
-            ("ARCH", arch))
+            *((k, flags[k]) for k in sorted(flags)), ("ARCH", arch))
 
 
 def build(key: tuple) -> Path:
@@ -166,6 +184,7 @@ def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "kernel",
+    variant: str | None = None,
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
@@ -173,9 +192,14 @@ def decode_attention_cuda(
     fused for at most 64 (sequence, KV head) pairs, where the extra launch costs more than the registers).
     ``merge``: ``"kernel"`` (a separate merge kernel, the default: measured faster at batch <= 8 and equal
     above, docs/results/kernels_h200.md) or ``"fused"`` (the last split of each (sequence, KV head) to finish
-    combines the partials through the plan's ticket counters: no second launch, but a serial tail)."""
+    combines the partials through the plan's ticket counters: no second launch, but a serial tail).
+    ``variant``: compile-time variants of the 2-bit loop (:data:`VARIANTS`, joined by ``+``, e.g.
+    ``"subn+lazy"``; ``""`` = none); None reads ``$OSCARKV_CUDA_DECODE_VARIANT`` (unset: none)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
+    if variant is None:
+        variant = os.environ.get(VARIANT_ENV, "")
+    _variant_flags(variant)  # fail early on a misspelt name
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads
@@ -218,12 +242,13 @@ def decode_attention_cuda(
     for part, nsplit in parts:
         if nsplit == 0:
             continue
-        key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part)
+        key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part, variant=variant)
         split_fn, _ = _functions(key, dev)
         _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream)
     if merge == "fused":
         return out
-    _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0]), dev)
+    _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0],
+                                        variant=variant), dev)
     mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                       lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])
     _launch(merge_fn, (B * hq, 1), 128, mp, stream)  # MERGE_THREADS in the .cu

@@ -16,6 +16,15 @@
 // Compile-time constants (nvcc -D...): D_ head_dim (64/128/256), GQ_ heads per KV head (1..8), PS_ page size
 // (multiple of 16), NW_ warps per CTA, QT_ query dtype (0 f32, 1 f16, 2 bf16), T16_ 16-bit tier dtype
 // (1 f16, 2 bf16), MT_ metadata dtype (1 f16, 2 bf16, 0 f32).
+// Variants of the 2-bit loop (0 = off, the default; decode_cuda.py's `variant=` selects them):
+//   SUBN_ = 1: the codes enter the mma as float16 *subnormals* (field j masked in place, no 1024.0 OR-ed in:
+//     value 4^j c 2^-24, exact) instead of 1024 + 4^j c. No bias to remove: the V side loses its sub.f16x2 per
+//     two codes (32 per 16-token chunk at d = 128), the K side its per-score bias FFMA; the 2^24 is folded into
+//     the scores' scale and the output's. Needs the tensor cores to take float16 subnormal inputs as they are.
+//   LAZY_ = 1: lazy softmax maximum. A warp's reference maximum m is raised (a warp-wide max reduction, the
+//     rescale of l, osum and the accumulators) only when some score exceeds it by more than 2^LAZY_TAU_ in
+//     probability (LAZY_TAU_ log2 units, default 3); otherwise a chunk costs no shuffle, no alpha and no
+//     rescale, and the weights p stay <= 2^LAZY_TAU_. log2(v_ref) rides in m, so P' = p s_v needs no 1 / v_ref.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -42,6 +51,15 @@
 #endif
 #ifndef MT_
 #define MT_ 1
+#endif
+#ifndef SUBN_
+#define SUBN_ 0
+#endif
+#ifndef LAZY_
+#define LAZY_ 0
+#endif
+#ifndef LAZY_TAU_
+#define LAZY_TAU_ 3
 #endif
 
 constexpr int D = D_, GQ = GQ_, PS = PS_, NW = NW_;
@@ -139,6 +157,14 @@ __device__ __forceinline__ uint32_t field16(uint32_t x, uint32_t magic) {
   return r;
 }
 __device__ __forceinline__ uint32_t fieldj(uint32_t x, int j, uint32_t magic) {  // j folds after unrolling
+#if SUBN_  // the field alone: a float16 subnormal 4^j c 2^-24 in each half (one LOP3 with an immediate)
+  switch (j) {
+    case 0: return x & 0x00030003u;
+    case 1: return x & 0x000c000cu;
+    case 2: return x & 0x00300030u;
+    default: return x & 0x00c000c0u;
+  }
+#endif
   switch (j) {
     case 0: return field16<0x00030003u>(x, magic);
     case 1: return field16<0x000c000cu>(x, magic);
@@ -234,6 +260,7 @@ __device__ __forceinline__ void load_chunk_page(Chunk2& c, const PagePtrs& pp) {
 // Per-warp online-softmax state: heads 2tig, 2tig+1 of the C fragments; O^T rows (d) per m-tile.
 struct State {
   float m[2], l[2], acc[KS][4];
+  float t[2];  // LAZY_: raise m when a score (in the 2-bit path's units, see chunk_2bit) exceeds t
 };
 
 __device__ __forceinline__ void softmax_update(State& st, float (&s)[4], bool& rescale, float (&alpha)[2]) {
@@ -272,9 +299,35 @@ __device__ __forceinline__ int d_of_k2(int s, int tig, int e, int hi) {
 
 struct Q2 {  // per-warp constants of the 2-bit path
   uint32_t qb[KS][2];
-  float bias[2], qsum[2], iv;
+  float bias[2], qsum[2], iv;  // LAZY_: qsum / LS; iv unused (lv instead)
+  float lv;                    // LAZY_: log2(v_ref), carried in the reference maximum
   uint32_t magic;
 };
+
+// SUBN_: the mma's K products are 2^-24 times the codes' (float16 subnormals); the scores are kept in units of
+// 1 / LS (LAZY_) or scaled back by a per-token LS s_k (otherwise).
+constexpr float LS = SUBN_ ? 16777216.f : 1.f;
+
+// LAZY_: raise the reference maximum of heads (2tig, 2tig+1) to the warp's maximum score of this chunk (scores
+// in units of 1 / LS; this thread's maxima mx0, mx1) and rescale what was accumulated against the old one. Only
+// called when some lane has a score above its threshold t (warp-uniform).
+__device__ __forceinline__ void lazy_raise(State& st, float (&osum)[2], float mx0, float mx1, float lv) {
+  const float w[2] = {warp_max8(mx0), warp_max8(mx1)};
+  float a[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float mn = fmaxf(st.m[e], fmaf(w[e], LS, lv));  // m includes log2(v_ref): p' = 2^(s - m) = p / v_ref
+    a[e] = mn == -INFINITY ? 1.f : ex2(st.m[e] - mn);      // m = -inf at start: ex2(-inf) = 0
+    st.m[e] = mn;
+    st.t[e] = (mn - lv + (float)LAZY_TAU_) * (1.f / LS);   // p' <= 2^tau / v_ref until the next raise
+    st.l[e] *= a[e];
+    osum[e] *= a[e];
+  }
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    st.acc[mt][0] *= a[0]; st.acc[mt][1] *= a[1]; st.acc[mt][2] *= a[0]; st.acc[mt][3] *= a[1];
+  }
+}
 
 template <bool MASKED>
 __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State& st, float (&osum)[2], int left,
@@ -289,11 +342,14 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
     mma_f16(s, fieldj(lo0, j, q.magic), fieldj(lo1, j, q.magic), fieldj(hi0, j, q.magic), fieldj(hi1, j, q.magic),
             q.qb[s_][0], q.qb[s_][1]);
   }
+  const float ks0 = meta_lo(cur.ks), ks1 = meta_hi(cur.ks), ko0 = meta_lo(cur.ko), ko1 = meta_hi(cur.ko);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = i >> 1, e = i & 1;
-    s[i] = (r ? meta_hi(cur.ks) : meta_lo(cur.ks)) * (s[i] - q.bias[e]) +
-           (r ? meta_hi(cur.ko) : meta_lo(cur.ko)) * q.qsum[e];
+    const float sk = r ? ks1 : ks0, ok = (r ? ko1 : ko0) * q.qsum[e];
+    if (SUBN_ && LAZY_) s[i] = sk * s[i] + ok;                    // units of 1 / LS (qsum prescaled)
+    else if (SUBN_) s[i] = (sk * LS) * s[i] + ok;                 // one FMUL per token
+    else s[i] = sk * (s[i] - q.bias[e]) + ok;
   }
   float vs0 = meta_lo(cur.vs), vs1 = meta_hi(cur.vs), vo0 = meta_lo(cur.vo), vo1 = meta_hi(cur.vo);
   if (MASKED) {  // a sequence's last page: rows past the end, metadata included, count 0
@@ -302,6 +358,19 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
     s[2] = ok1 ? s[2] : -INFINITY; s[3] = ok1 ? s[3] : -INFINITY;
     vs0 = ok0 ? vs0 : 0.f; vo0 = ok0 ? vo0 : 0.f; vs1 = ok1 ? vs1 : 0.f; vo1 = ok1 ? vo1 : 0.f;
   }
+#if LAZY_
+  {
+    const float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+    if (__any_sync(0xffffffffu, mx0 > st.t[0] || mx1 > st.t[1])) lazy_raise(st, osum, mx0, mx1, q.lv);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = ex2(fmaf(s[i], LS, -st.m[i & 1]));  // p' = p / v_ref <= 2^tau / v_ref
+    st.l[0] += s[0] + s[2];
+    st.l[1] += s[1] + s[3];
+    osum[0] = fmaf(s[0], vo0, fmaf(s[2], vo1, osum[0]));
+    osum[1] = fmaf(s[1], vo0, fmaf(s[3], vo1, osum[1]));
+  }
+  const float v0 = vs0, v1 = vs1;
+#else
   float alpha[2];
   bool resc;
   softmax_update(st, s, resc, alpha);
@@ -309,9 +378,11 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
   osum[1] = osum[1] * alpha[1] + s[1] * vo0 + s[3] * vo1;
   rescale_acc(st, alpha);
   const float v0 = vs0 * q.iv, v1 = vs1 * q.iv;
+#endif
   const uint32_t pb0 = movtrans(pack_h2(s[0] * v0, s[1] * v0));
   const uint32_t pb1 = movtrans(pack_h2(s[2] * v1, s[3] * v1));
-  // ---- O^T += V^T P'^T, V^T from the codes of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9), exact (4^j c)
+  // ---- O^T += V^T P'^T, V^T from the codes of tokens (2tig, 2tig+1) and (2tig+8, 2tig+9), exact (4^j c, or
+  // 4^j c 2^-24 with SUBN_)
 #pragma unroll
   for (int mt = 0; mt < KS; ++mt) {
     constexpr int H = BPV / 2;
@@ -322,8 +393,8 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
       const int wv = (2 * q2) / 4, sel = ((2 * q2) % 4) ? 0x7632 : 0x5410;
       const uint32_t x = BPV == 2 ? (cur.v[2 * pr][0] | (cur.v[2 * pr + 1][0] << 16))
                                   : __byte_perm(cur.v[2 * pr][wv], cur.v[2 * pr + 1][wv], sel);
-      a[2 * pr] = hsub1024(fieldj(x, j, q.magic));
-      a[2 * pr + 1] = hsub1024(fieldj(x >> 8, j, q.magic));
+      a[2 * pr] = SUBN_ ? fieldj(x, j, q.magic) : hsub1024(fieldj(x, j, q.magic));
+      a[2 * pr + 1] = SUBN_ ? fieldj(x >> 8, j, q.magic) : hsub1024(fieldj(x >> 8, j, q.magic));
     }
     mma_f16(st.acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
   }
@@ -395,7 +466,7 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     q.bias[e] = 1024.f * __shfl_sync(0xffffffffu, bias_part, (2 * tig + e) * 4);
-    q.qsum[e] = __shfl_sync(0xffffffffu, qsum_part, (2 * tig + e) * 4);
+    q.qsum[e] = __shfl_sync(0xffffffffu, qsum_part, (2 * tig + e) * 4) * (LAZY_ ? 1.f / LS : 1.f);
   }
   const int32_t* bt = reinterpret_cast<const int32_t*>(p.bt) + b * p.s_bt;
   // Pages of the split, page-interleaved over the warps (a split starts on a page boundary); a warp walks the
@@ -416,6 +487,10 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
     const float vm = warp_max8(fmaxf(a, c));
     vref = (vm > 0.f && vm < 3.0e38f) ? vm : 1.f;
     q.iv = 1.f / vref;
+    q.lv = __log2f(vref);  // LAZY_: any value near log2(v_ref) will do (it only shifts the reference maximum)
+    // what the accumulators are multiplied by at the end (with 1 / 4^j): p carries 1 / v_ref unless LAZY_ put
+    // it in m (then the partial output, l and osum are all in units of 1 / v_ref), the codes 2^-24 with SUBN_
+    vref = (LAZY_ ? 1.f : vref) * LS;
   }
   while (true) {  // CPP odd: a chunk's buffer alternates between pages, so pages go in pairs
     if (!page_2bit<0>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
@@ -573,6 +648,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
   State st;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.f;
+  st.t[0] = st.t[1] = -INFINITY;
 #pragma unroll
   for (int mt = 0; mt < KS; ++mt) st.acc[mt][0] = st.acc[mt][1] = st.acc[mt][2] = st.acc[mt][3] = 0.f;
   const bool is2 = PART_ == 1 || (PART_ == 0 && split < p.num_qsplits);
