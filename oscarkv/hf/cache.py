@@ -71,9 +71,9 @@ class OscarLayer(CacheLayerMixin):
         fwd = kwargs.get("kwargs")
         if not isinstance(fwd, dict):
             raise TypeError(f"{type(self.plan).__name__}: the model's attention did not pass its keyword arguments "
-                            "to cache.update(..., kwargs=kwargs): OscarCache needs a transformers release whose "
-                            "attention layers do that (5.24 does, 5.17 does not: pip install -U transformers) and an "
-                            "architecture that follows it")
+                            "to cache.update(..., kwargs=kwargs): OscarCache needs transformers >= 5.24, the first "
+                            "release whose attention layers do that (5.23 and earlier do not: pip install -U "
+                            "'transformers>=5.24'), and an architecture that follows it")
         self._check_model()
         if self._pending is not None:
             raise RuntimeError(f"layer {self.plan.layer}: the previous chunk was never attended/committed; the "

@@ -63,6 +63,17 @@ def test_sealed_keys_refuse_other_attention(llama):
             torch.matmul(sk, sv.transpose(2, 3))
 
 
+def test_update_without_forward_kwargs_names_the_transformers_version(llama):
+    """transformers <= 5.23 calls cache.update(k, v, layer_idx) without the forward's kwargs: refused, naming the
+    first release that passes them (the hf extra's lower bound)."""
+    model, calib = llama
+    with ohf.apply(model, calib, "oscar") as h:
+        cache = h.cache()
+        k = torch.randn(1, 2, 3, 16)
+        with pytest.raises(TypeError, match=r"transformers >= 5\.24"):
+            cache.update(k, k.clone(), 0)
+
+
 def test_cache_reused_across_models(llama):
     model, calib = llama
     other = tiny_model("llama", seed=5)
