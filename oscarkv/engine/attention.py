@@ -50,6 +50,13 @@ def _kernel_op(name: str):
     return getattr(dispatch, name, None) or getattr(ref, f"{name}_ref")
 
 
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+    """``F.scaled_dot_product_attention`` on ``[H, T, d]`` tensors, given a batch dimension: torch's fused
+    backends (FlashAttention, memory-efficient, cuDNN) take 4-D inputs only; 3-D ones fall back to the math
+    backend, which materialises the ``[H, T, T]`` scores (61 GiB for one 32K chunk of 16 heads)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
+
 class _Ctx:
     def __init__(self, pool: KVPool, sm_scale: float):
         self.pool, self.sm_scale = pool, sm_scale
@@ -180,10 +187,10 @@ class PrefillCtx(_Ctx):
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
         qh = q.transpose(0, 1)
         if self.n0 == 0:
-            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.sm_scale)
+            o = sdpa(qh, k, v, is_causal=True, scale=self.sm_scale)
         else:
             mask = torch.arange(n1, device=self.dev)[None] <= torch.arange(self.n0, n1, device=self.dev)[:, None]
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.sm_scale)
+            o = sdpa(qh, k, v, attn_mask=mask, scale=self.sm_scale)
         return o.transpose(0, 1).reshape(T, -1, pool.d)
 
     def _oscar(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
@@ -195,7 +202,7 @@ class PrefillCtx(_Ctx):
                     len16=torch.tensor([self.len16], dtype=torch.int32, device=self.dev))
         if self.n0 == 0:  # nothing stored yet: plain causal attention in full precision
             k, v = (x.transpose(0, 1).repeat_interleave(q.shape[1] // pool.H, 0) for x in kv)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=self.sm_scale)
+            out = sdpa(q.transpose(0, 1), k, v, is_causal=True, scale=self.sm_scale)
             out = out.transpose(0, 1)
         else:
             out = self._extend(q[None], kv[0][None], kv[1][None], pool.pages[0][layer], pool.pages[1][layer],
