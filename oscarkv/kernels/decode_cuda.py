@@ -53,8 +53,9 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 
 
 # Compile-time variants of the 2-bit loop (csrc/decode_int2.cu header), all off by default: "subn" (codes as
-# float16 subnormals, no 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3).
-VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_"}
+# float16 subnormals, no 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3),
+# "l2pf" (each warp prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB).
+VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_"}
 VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # default of ``variant=`` when None, e.g. "subn+lazy"
 
 
@@ -199,7 +200,9 @@ def decode_attention_cuda(
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     if variant is None:
         variant = os.environ.get(VARIANT_ENV, "")
-    _variant_flags(variant)  # fail early on a misspelt name
+    if _variant_flags(variant)["L2PF_"] and max(k_pages.codes.stride(0), k_pages.scale.stride(0)
+                                                 * k_pages.scale.element_size()) >= 2**32:
+        raise ValueError("variant 'l2pf' needs page strides below 4 GiB")
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads

@@ -25,6 +25,11 @@
 //     rescale of l, osum and the accumulators) only when some score exceeds it by more than 2^LAZY_TAU_ in
 //     probability (LAZY_TAU_ log2 units, default 3); otherwise a chunk costs no shuffle, no alpha and no
 //     rescale, and the weights p stay <= 2^LAZY_TAU_. log2(v_ref) rides in m, so P' = p s_v needs no 1 / v_ref.
+//   L2PF_ = 1: while a warp works on a page (from its second chunk), it asks for its next page (K and V codes,
+//     the four metadata rows of its KV head) to be brought into L2: prefetch.global.L2, one line per lane, two
+//     instructions per page at d = 128 (a hint: no registers, nothing to wait for), so that more bytes are in
+//     flight than the one-chunk register prefetch holds (16 warps x 1.15 KB per SM). (A bulk prefetch takes
+//     uniform operands: ptxas loops over the lanes, ~50 instructions per page.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -60,6 +65,9 @@
 #endif
 #ifndef LAZY_TAU_
 #define LAZY_TAU_ 3
+#endif
+#ifndef L2PF_
+#define L2PF_ 0
 #endif
 
 constexpr int D = D_, GQ = GQ_, PS = PS_, NW = NW_;
@@ -211,7 +219,29 @@ struct Chunk2 {
 // (bytes for codes, elements for metadata); the base pointers themselves stay in the constant bank.
 struct Bases2 {
   int64_t k, v, m;
+#if L2PF_
+  const uint8_t *pfc, *pfm;  // L2PF_: this lane's lines of page pg: pfc + pg s_cp (+ 2 KB steps), pfm + pg s_mp
+#endif
 };
+
+// L2PF_: ask for physical page `page` (this head's K and V codes and four metadata rows) to be brought into L2:
+// per-lane prefetch.global.L2 of one 128-byte line each (a hint: no register, nothing to wait for). Lanes 0..15
+// take the K lines, 16..31 the V lines (16 lines per instruction each); for metadata lane l takes row l & 3 at
+// byte min(128 (l >> 2), row bytes - 1), so a row of up to 1 KB is covered whatever its alignment.
+constexpr int PF_LINES = PS * RB / 128;  // 128-byte lines of a page's codes per KV head (>= 2)
+constexpr int PF_META = PS * (int)sizeof(meta_t);
+__device__ __forceinline__ void l2_prefetch_page(const Params& p, const Bases2& bs, int32_t page, int lane) {
+#if L2PF_
+  // page strides below 2^32 bytes (decode_cuda.py checks it for this variant): one IMAD.WIDE.U32 per address
+  const uint8_t* c = bs.pfc + (uint64_t)(uint32_t)page * (uint32_t)p.s_cp;
+#pragma unroll
+  for (int i = 0; i < (PF_LINES + 15) / 16; ++i)
+    if (PF_LINES % 16 == 0 || (lane & 15) + 16 * i < PF_LINES)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(c + i * 16 * 128));
+  const uint8_t* m = bs.pfm + (uint64_t)(uint32_t)page * (uint32_t)(p.s_mp * (int64_t)sizeof(meta_t));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(m));
+#endif
+}
 
 // Pointers of one physical page (lane offsets included): chunk CH of the page is at a compile-time offset, so a
 // chunk's loads need no address arithmetic of their own (docs/kernels.md: the loop was issue-bound on it).
@@ -415,6 +445,8 @@ __device__ __forceinline__ void page_chunks(const Q2& q, Chunk2 (&buf)[2], State
     pp = page_ptrs(p, bs, page_next);
     if (has_next) load_chunk_page<0>(buf[nxt], pp);
   }
+  if constexpr (L2PF_ && CH == (CPP > 1 ? 1 : 0))  // the page id was loaded a chunk ago (0 past the last)
+    l2_prefetch_page(p, bs, page_next, 4 * gid);       // (lane & 15 only matters when PF_LINES % 16 != 0)
   if (!MASKED || 16 * CH < left) chunk_2bit<MASKED>(q, buf[cur], st, osum, left - 16 * CH, gid);
   if constexpr (CH + 1 < CPP)
     page_chunks<MASKED, START, CH + 1>(q, buf, st, osum, p, bs, pp, page_next, has_next, left, gid);
@@ -478,6 +510,15 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
   bs.k = h * p.s_ch + 2 * gid * RB + tig * BPT;
   bs.v = h * p.s_ch + 4 * tig * RB + gid * BPV;
   bs.m = h * p.s_mh + 2 * gid;
+#if L2PF_
+  {
+    const int lane = 4 * gid + tig;
+    bs.pfc = reinterpret_cast<const uint8_t*>(lane < 16 ? p.kc : p.vc) + h * p.s_ch + (lane & 15) * 128;
+    const uint64_t mb = (lane & 3) == 0 ? p.ks : (lane & 3) == 1 ? p.ko : (lane & 3) == 2 ? p.vs : p.vo;
+    bs.pfm = reinterpret_cast<const uint8_t*>(mb) + h * p.s_mh * (int64_t)sizeof(meta_t) +
+             min(128 * (lane >> 2), PF_META - 1);
+  }
+#endif
   Chunk2 buf[2];
   PagePtrs pp = page_ptrs(p, bs, bt[pg]);
   load_chunk_page<0>(buf[0], pp);
