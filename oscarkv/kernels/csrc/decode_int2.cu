@@ -230,6 +230,7 @@ struct Bases2 {
 // byte min(128 (l >> 2), row bytes - 1), so a row of up to 1 KB is covered whatever its alignment.
 constexpr int PF_LINES = PS * RB / 128;  // 128-byte lines of a page's codes per KV head (>= 2)
 constexpr int PF_META = PS * (int)sizeof(meta_t);
+// `lane` is only read when PF_LINES % 16 != 0 (some lanes then have no line of their own).
 __device__ __forceinline__ void l2_prefetch_page(const Params& p, const Bases2& bs, int32_t page, int lane) {
 #if L2PF_
   // page strides below 2^32 bytes (decode_cuda.py checks it for this variant): one IMAD.WIDE.U32 per address
@@ -446,7 +447,7 @@ __device__ __forceinline__ void page_chunks(const Q2& q, Chunk2 (&buf)[2], State
     if (has_next) load_chunk_page<0>(buf[nxt], pp);
   }
   if constexpr (L2PF_ && CH == (CPP > 1 ? 1 : 0))  // the page id was loaded a chunk ago (0 past the last)
-    l2_prefetch_page(p, bs, page_next, 4 * gid);       // (lane & 15 only matters when PF_LINES % 16 != 0)
+    l2_prefetch_page(p, bs, page_next, PF_LINES % 16 == 0 ? 0 : (int)(threadIdx.x & 31));  // lane: see there
   if (!MASKED || 16 * CH < left) chunk_2bit<MASKED>(q, buf[cur], st, osum, left - 16 * CH, gid);
   if constexpr (CH + 1 < CPP)
     page_chunks<MASKED, START, CH + 1>(q, buf, st, osum, p, bs, pp, page_next, has_next, left, gid);
