@@ -143,7 +143,7 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
     for impl in impls:
         # "cuda[:N][:mk|:fm][:f|:s][:subn][:lazy]": N programs per SM, separate merge kernel / fused last-CTA
         # merge, both tiers in one launch / one per tier, compile-time variants of the 2-bit loop
-        # (decode_cuda.VARIANTS; none named = none, whatever $OSCARKV_CUDA_DECODE_VARIANT says); "triton[:warps]"
+        # (decode_cuda.VARIANTS, or "none"; none named = the library's default); "triton[:warps]"
         from oscarkv.kernels.decode_cuda import VARIANTS
 
         name, *opts = impl.split(":")
@@ -151,8 +151,9 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
         kw = {"merge": "kernel"} if "mk" in opts else {"merge": "fused"} if "fm" in opts else {}
         if "f" in opts or "s" in opts:
             kw["fused"] = "f" in opts
-        if name == "cuda":
-            kw["variant"] = "+".join(o for o in opts if o in VARIANTS)
+        picked = [o for o in opts if o in VARIANTS or o == "none"]
+        if name == "cuda" and picked:
+            kw["variant"] = "+".join(o for o in picked if o != "none") or "none"
         plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
                           **({"programs_per_sm": ppsm} if ppsm and name == "cuda" else {})).update(batch)
         try:

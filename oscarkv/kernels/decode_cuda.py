@@ -52,16 +52,24 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
             and (nvcc() is not None or any(_cache_dir().glob("*.cubin"))))
 
 
-# Compile-time variants of the 2-bit loop (csrc/decode_int2.cu header), all off by default: "subn" (codes as
-# float16 subnormals, no 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3),
-# "l2pf" (each warp prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB).
+# Compile-time variants of the 2-bit loop (csrc/decode_int2.cu header): "subn" (codes as float16 subnormals, no
+# 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3), "l2pf" (each warp
+# prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB). All three are the default:
+# on the H200 they took 128K x 64 from 2.08 to 1.71 ms (2.36 -> 2.87 TB/s), 128K x 8 from 0.308 to 0.249 ms and
+# 128K x 1 from 0.057 to 0.049 ms, every GPU test passing (docs/results/kernels_h200.md, session 13).
 VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_"}
-VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # default of ``variant=`` when None, e.g. "subn+lazy"
+DEFAULT_VARIANT = "subn+lazy+l2pf"
+VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # overrides the default of ``variant=None``; "none" = no variant
+
+
+def _resolve_variant(variant: str | None) -> str:
+    if variant is None:
+        variant = os.environ.get(VARIANT_ENV, DEFAULT_VARIANT)
+    return "" if variant == "none" else variant
 
 
 def _variant_flags(variant: str | None) -> dict[str, int]:
-    if variant is None:
-        variant = os.environ.get(VARIANT_ENV, "")
+    variant = _resolve_variant(variant)
     names = [v for v in variant.replace(",", "+").split("+") if v]
     bad = [v for v in names if v not in VARIANTS]
     if bad:
@@ -70,7 +78,7 @@ def _variant_flags(variant: str | None) -> dict[str, int]:
 
 
 def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: int, arch: int = 90,
-               variant: str | None = "") -> tuple:
+               variant: str | None = None) -> tuple:
     minb = 4 if d <= 128 else 2
     flags = _variant_flags(variant)
     return (("D_", d), ("GQ_", g), ("PS_", page), ("NW_", _NW), ("QT_", _DT[q_dtype]), ("T16_", _DT[dtype16]),
@@ -195,14 +203,17 @@ def decode_attention_cuda(
     above, docs/results/kernels_h200.md) or ``"fused"`` (the last split of each (sequence, KV head) to finish
     combines the partials through the plan's ticket counters: no second launch, but a serial tail).
     ``variant``: compile-time variants of the 2-bit loop (:data:`VARIANTS`, joined by ``+``, e.g.
-    ``"subn+lazy"``; ``""`` = none); None reads ``$OSCARKV_CUDA_DECODE_VARIANT`` (unset: none)."""
+    ``"subn+lazy"``; ``""`` or ``"none"`` = none); None: ``$OSCARKV_CUDA_DECODE_VARIANT`` if set, else
+    :data:`DEFAULT_VARIANT` (without "l2pf" for page strides of 4 GiB or more, where it cannot address)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
-    if variant is None:
-        variant = os.environ.get(VARIANT_ENV, "")
+    explicit = variant is not None
+    variant = _resolve_variant(variant)
     if _variant_flags(variant)["L2PF_"] and max(k_pages.codes.stride(0), k_pages.scale.stride(0)
                                                  * k_pages.scale.element_size()) >= 2**32:
-        raise ValueError("variant 'l2pf' needs page strides below 4 GiB")
+        if explicit:
+            raise ValueError("variant 'l2pf' needs page strides below 4 GiB")
+        variant = "+".join(v for v in variant.split("+") if v != "l2pf")  # the default drops the hint
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads

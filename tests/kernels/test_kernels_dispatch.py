@@ -100,3 +100,19 @@ def test_import_layering():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+def test_cuda_decode_variant_resolution(monkeypatch):
+    """The measured variants are the default; the environment overrides it; "none" and "" select the plain loop;
+    the cubin cache key tells them apart; an unknown name is an error that lists the choices."""
+    from oscarkv.kernels import decode_cuda as dc
+
+    monkeypatch.delenv(dc.VARIANT_ENV, raising=False)
+    key = lambda v: dict(dc.config_key(128, 4, 64, torch.bfloat16, torch.bfloat16, torch.float16, 1, variant=v))  # noqa: E731
+    assert dc.DEFAULT_VARIANT == "subn+lazy+l2pf"
+    assert {k: key(None)[k] for k in ("SUBN_", "LAZY_", "L2PF_")} == {"SUBN_": 1, "LAZY_": 1, "L2PF_": 1}
+    assert key("none") == key("") and key("none")["SUBN_"] == 0 and key("lazy")["LAZY_"] == 1
+    monkeypatch.setenv(dc.VARIANT_ENV, "subn")
+    assert key(None) == key("subn") != key("subn+lazy+l2pf")
+    with pytest.raises(ValueError, match="unknown CUDA decode variant"):
+        key("fast")
