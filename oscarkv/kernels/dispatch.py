@@ -1,9 +1,10 @@
 """One name per kernel op: the Triton (or CUDA C++) kernel on CUDA tensors, the PyTorch reference on CPU.
 
-Ops: :func:`quantize_write`, :func:`demote`, :func:`decode_attention`, :func:`extend_attention`. Each takes a
-``backend`` argument: ``"auto"`` (default: kernels on CUDA when supported, else the reference), ``"reference"``,
-``"triton"`` or, for decode, ``"cuda"`` (the hand-written decode kernel). :func:`use_reference` forces the
-reference inside a ``with`` block (thread- and task-local). No environment variable changes numerics.
+Ops: :func:`quantize_write`, :func:`demote`, :func:`decode_attention`, :func:`extend_attention`,
+:func:`rotate_rows`. Each takes a ``backend`` argument: ``"auto"`` (default: kernels on CUDA when supported,
+else the reference), ``"reference"``, ``"triton"`` or, for decode, ``"cuda"`` (the hand-written decode kernel).
+:func:`use_reference` forces the reference inside a ``with`` block (thread- and task-local). No environment
+variable changes numerics.
 Kernel modules are imported lazily, so this module imports without Triton or a GPU.
 """
 
@@ -157,6 +158,23 @@ def decode_attention(
     return fn(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan, out=out)
 
 
+def rotate_rows(
+    x: Tensor, r: Tensor, mu: Tensor | None = None, *, out: Tensor | None = None, transpose: bool = False,
+    mean_after: bool = False, rows_out: Tensor | None = None, rows: Tensor | None = None, backend: str = "auto",
+) -> Tensor | None:
+    """Rotate each head's rows in float32: ``(x[n, h] - mu[h // G]) @ R[h // G]`` (``transpose``: ``@ R^T``;
+    ``mean_after``: ``+ mu`` after), ``x [N, Hx, d]``, ``r [H, d, d]``, ``mu [H, d]`` float32, ``G = Hx / H``.
+    Written, cast to their dtypes, into ``out [N, Hx, d]`` and/or rows ``rows [N]`` of ``rows_out [M, Hx, d]``
+    (e.g. a 16-bit ring), in one launch on the kernel path. Returns ``out``."""
+    kw = dict(out=out, transpose=transpose, mean_after=mean_after, rows_out=rows_out, rows=rows)
+    d = x.shape[-1]
+    if _pick(backend, x.device, d >= 16 and not d & (d - 1)) == "reference":
+        return ref.rotate_rows_ref(x, r, mu, **kw)
+    from .rotate_triton import rotate_rows_triton
+
+    return rotate_rows_triton(x, r, mu, **kw)
+
+
 def extend_attention(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
@@ -177,4 +195,4 @@ def extend_attention(
 
 
 __all__ = ["BACKENDS", "DecodePlan", "use_reference", "quantize_write", "demote", "decode_attention",
-           "extend_attention", "triton_available"]
+           "extend_attention", "rotate_rows", "triton_available"]

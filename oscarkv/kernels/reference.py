@@ -223,3 +223,26 @@ def extend_attention_ref(
 
 __all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref",
            "decode_attention_ref", "extend_attention_ref"]
+
+
+def rotate_rows_ref(
+    x: Tensor, r: Tensor, mu: Tensor | None = None, *, out: Tensor | None = None, transpose: bool = False,
+    mean_after: bool = False, rows_out: Tensor | None = None, rows: Tensor | None = None,
+) -> Tensor | None:
+    """``y[n, h] = (x[n, h] - mu[h // G]) @ R[h // G]`` in float32 (``G = Hx / H``); ``transpose``: ``@ R^T``;
+    ``mean_after``: ``+ mu`` after the product instead of ``- mu`` before. Written, cast, to ``out [N, Hx, d]``
+    and/or to rows ``rows [N]`` of ``rows_out [M, Hx, d]``; returns ``out``."""
+    N, hx, d = x.shape
+    H = r.shape[0]
+    xg = x.to(r.dtype).view(N, H, hx // H, d)  # float32 (r's dtype; float64 for exact references in tests)
+    if mu is not None and not mean_after:
+        xg = xg - mu[None, :, None]
+    y = torch.einsum("nhge,hde->nhgd" if transpose else "nhgd,hde->nhge", xg, r)
+    if mu is not None and mean_after:
+        y = y + mu[None, :, None]
+    y = y.reshape(N, hx, d)
+    if out is not None:
+        out.copy_(y)
+    if rows_out is not None:
+        rows_out.index_copy_(0, rows, y.to(rows_out.dtype))
+    return out

@@ -208,11 +208,13 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         q, k, v = query[:T], key[:T], value[:T]
         if self.rt.quantized:
             fmt = self.rt.page_format(self.num_kv_heads, attn_metadata.block_size)
-            out = quant_step(q, k, v, carve(kv_cache, fmt), self.pools, self.params, m)
+            # written straight into vLLM's output buffer (one rounding of the float32 result, as a copy would)
+            quant_step(q, k, v, carve(kv_cache, fmt), self.pools, self.params, m,
+                       out=output[:T].view(T, self.num_heads, self.head_size))
         else:
             kv16 = kv_cache.view(kv_cache.shape[0], 2, self.num_kv_heads, attn_metadata.block_size, self.head_size)
             out = dense_step(q, k, v, kv16, self.params, m)
-        output[:T].copy_(out.view(output[:T].shape).to(output.dtype))
+            output[:T].copy_(out.view(output[:T].shape).to(output.dtype))
         return output
 
 

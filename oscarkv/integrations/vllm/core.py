@@ -29,7 +29,7 @@ def ops():
     """The kernel ops of :mod:`oscarkv.kernels.dispatch`: Triton on CUDA, the PyTorch reference on CPU."""
     from ...kernels import dispatch
 
-    return dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention
+    return dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention, dispatch.rotate_rows
 
 
 def page_bytes(fmt: PageFormat) -> int:
@@ -90,6 +90,8 @@ class StepMeta:
     len16: Tensor  # int32 [B]
     gather: Tensor  # int64 [B, rows16]: flat 16-bit pool rows of each row's 16-bit tier
     ring_rows: Tensor | None  # int64 [T]: flat 16-bit pool row of each new token (None: no windows)
+    ring_keep: Tensor | None = None  # int64: the new tokens whose ring row is not the trash row ...
+    ring_dst: Tensor | None = None  # ... and their rows (a long chunk keeps <= sink + window of its tokens)
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, tok_start, tok_end, n0)
     seq_lens: list[int] = field(default_factory=list)  # tokens after this step (16-bit mode only)
     max_qlen: int = 0  # longest 2-bit tier read by a decode row (sizes the decode plan's splits)
@@ -124,11 +126,16 @@ def build_step(
         return torch.as_tensor(a, dtype=dtype).to(dev, non_blocking=True)
 
     T = int(qsl[-1])
+    # a chunk's tokens that leave the window at once all map to the trash row: scattering them there (32K
+    # writes of one row per layer at 32K prompts) is contention, not work, so prefill steps write the kept ones
+    keep = np.flatnonzero(idx.ring_rows != num_slots * tiers.rows16) if slots is not None and nd < B else None
     return StepMeta(
         num_tokens=T, num_decodes=nd, slot_mapping=slot_mapping[:T].long(), block_table=block_table,
         qlen=to_dev(idx.qlen, torch.int32), skip_blocks=int(skip[0]) if B else 0, bt2=bt2,
         len16=to_dev(idx.len16, torch.int32), gather=to_dev(idx.gather, torch.int64),
         ring_rows=to_dev(idx.ring_rows, torch.int64) if slots is not None else None,
+        ring_keep=to_dev(keep, torch.int64) if keep is not None else None,
+        ring_dst=to_dev(idx.ring_rows[keep], torch.int64) if keep is not None else None,
         prefills=[(r, int(qsl[r]), int(qsl[r + 1]), int(seq[r] - qlens[r])) for r in range(nd, B)],
         seq_lens=seq.tolist(), max_qlen=int(idx.qlen[:nd].max()) if nd else 0,
     )
@@ -170,15 +177,18 @@ def unrotate_out(o: Tensor, p: LayerParams) -> Tensor:
 
 def quant_step(
     q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPages], pools: tuple[Tensor, Tensor] | None,
-    p: LayerParams, m: StepMeta,
+    p: LayerParams, m: StepMeta, out: Tensor | None = None,
 ) -> Tensor:
     """One layer over the 2-bit cache. q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``; pools ``[num_slots + 1,
-    rows16, Hkv, d]`` (``p.dtype16``) or None without windows. Returns ``[T, Hq, d]`` float32 (unrotated).
+    rows16, Hkv, d]`` (``p.dtype16``) or None without windows. Returns ``[T, Hq, d]`` (unrotated): float32, or
+    ``out`` (any float dtype, unit last stride) written in place.
 
     As in :mod:`oscarkv.cache`, a quantized row is quantized from its 16-bit value, and a chunk attends to its
     own K/V unrounded; queries and the chunk's own K/V reach the kernels in the activation dtype.
     """
-    quantize_write, decode_attention, extend_attention = ops()
+    if pools is not None and not m.prefills:
+        return _decode_step(q, k, v, kv, pools, p, m, out)
+    quantize_write, decode_attention, extend_attention, _ = ops()
     T, nd, act = m.num_tokens, m.num_decodes, q.dtype
     kp, vp = kv
     qr = rotate_q(q, p.r_k).to(act)
@@ -196,27 +206,55 @@ def quant_step(
                 pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None],
                               flat_v[m.gather[row]].permute(1, 0, 2)[None])
     quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
-    if pools is not None:
+    if pools is not None and m.ring_keep is not None:
+        flat_k.index_copy_(0, m.ring_dst, k16new[m.ring_keep])
+        flat_v.index_copy_(0, m.ring_dst, v16new[m.ring_keep])
+    elif pools is not None:
         flat_k.index_copy_(0, m.ring_rows, k16new)
         flat_v.index_copy_(0, m.ring_rows, v16new)
-    out = torch.empty(T, q.shape[1], q.shape[2], dtype=act, device=q.device)
+    attn = torch.empty(T, q.shape[1], q.shape[2], dtype=act, device=q.device)
     if nd and pools is not None:  # the new token is read back from the ring
         k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
         v16 = flat_v[m.gather[:nd]].permute(0, 2, 1, 3)
         decode_attention(qr[:nd], kp, vp, m.bt2[:nd], m.qlen[:nd], k16, v16, m.len16[:nd], p.sm_scale, plan=m.plan,
-                         out=out[:nd])
+                         out=attn[:nd])
     elif nd:  # no windows: each decode token attends to its quantized prefix and to itself unrounded
         z = empty16.expand(nd, H, 1, d)
         extend_attention(qr[:nd, None], kr[:nd, None], vr[:nd, None], kp, vp, m.bt2[:nd], m.qlen[:nd], z, z,
-                         m.len16[:nd], p.sm_scale, out=out[:nd, None])
+                         m.len16[:nd], p.sm_scale, out=attn[:nd, None])
     for row, a, b, n0 in m.prefills:
         if n0 == 0 and q.is_cuda:  # nothing stored before this chunk: causal attention over it (FlashAttention)
-            out[a:b] = causal_self_attention(qr[a:b], kr[a:b], vr[a:b], p.sm_scale)
+            attn[a:b] = causal_self_attention(qr[a:b], kr[a:b], vr[a:b], p.sm_scale)
             continue
         k16, v16 = pre16.get(row, (empty16, empty16))
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
-                         m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=out[None, a:b])
-    return unrotate_out(out, p)
+                         m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=attn[None, a:b])
+    res = unrotate_out(attn, p)
+    return res if out is None else out.copy_(res)
+
+
+def _decode_step(q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPages], pools: tuple[Tensor, Tensor],
+                 p: LayerParams, m: StepMeta, out: Tensor | None) -> Tensor:
+    """:func:`quant_step` for a step of decode rows only (with windows): the same values in 6-7 launches instead
+    of ~25 torch ops. An eager vLLM step is bound by the host's op issue (H200 machine: 1.4 ms of host time per
+    layer against 0.43 ms on the GPU at 34 x 32K, benchmarks/vllm_layer_probe.py), so fewer ops is faster."""
+    quantize_write, decode_attention, _, rotate_rows = ops()
+    T = m.num_tokens
+    kp, vp = kv
+    flat_k, flat_v = (pool.view(-1, *pool.shape[2:]) for pool in pools)
+    qr = torch.empty_like(q)
+    rotate_rows(q, p.r_k, out=qr)  # q @ R_K, in the activation dtype
+    k16, v16 = (torch.empty(k.shape, dtype=p.dtype16, device=k.device) for _ in range(2))
+    # (x - mu) @ R rounded to the tiers' dtype: the rows to quantize, also written into the 16-bit ring
+    rotate_rows(k, p.r_k, p.mu_k, out=k16, rows_out=flat_k, rows=m.ring_rows)
+    rotate_rows(v, p.r_v, p.mu_v, out=v16, rows_out=flat_v, rows=m.ring_rows)
+    quantize_write(kp, vp, k16, v16, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
+    ka, va = flat_k[m.gather[:T]].permute(0, 2, 1, 3), flat_v[m.gather[:T]].permute(0, 2, 1, 3)
+    attn = decode_attention(qr, kp, vp, m.bt2[:T], m.qlen[:T], ka, va, m.len16[:T], p.sm_scale, plan=m.plan,
+                            out=torch.empty_like(q))
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    return rotate_rows(attn, p.r_v, p.mu_v, out=out, transpose=True, mean_after=True)  # @ R_V^T + mu_V
 
 
 def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
@@ -232,7 +270,7 @@ def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> T
 def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m: StepMeta) -> Tensor:
     """One layer over a 16-bit paged cache ``[num_blocks, 2, Hkv, block_size, d]`` (quantization off): the same
     rotations and centering, every token kept exactly. Returns ``[T, Hq, d]`` float32 (unrotated)."""
-    _, _, extend_attention = ops()
+    _, _, extend_attention, _ = ops()
     B = kv16.shape[3]
     qr = rotate_q(q, p.r_k)
     kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)

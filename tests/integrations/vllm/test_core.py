@@ -63,7 +63,7 @@ class Sim:
                              mu_v=torch.randn(H, d, generator=gen), k_clip=0.96, v_clip=0.92, sm_scale=d**-0.5)
         self.tables, self.hist, self.next_block = {}, {}, 1
 
-    def step(self, batch, all_2bit=()):
+    def step(self, batch, all_2bit=(), out_dtype=None):
         """batch: [(seq, new_tokens)], decodes (1 token, existing seq) first; ``all_2bit``: sequences expected
         to have lost their window slot. Returns (got, expected)."""
         qsl, seq, slot_map = [0], [], []
@@ -90,8 +90,10 @@ class Sim:
                                     num_kv_heads=self.H, head_dim=self.d, block_size=self.block,
                                     rows16=self.tiers.rows16, device=self.kv.device)
             m.plan = self.plan if m.num_decodes else None
-        got = quant_step(q, k, v, self.pages, self.pools, self.p, m)
-        expected = torch.empty_like(got)
+        buf = None if out_dtype is None else torch.full((T, Hq, self.d), float("nan"), dtype=out_dtype)
+        got = quant_step(q, k, v, self.pages, self.pools, self.p, m, out=buf)  # buf: the backend's output buffer
+        assert buf is None or got is buf
+        expected = torch.empty(got.shape, dtype=torch.float32)
         for r, (sid, t) in enumerate(batch):
             hk, hv = self.hist.setdefault(sid, ([], []))
             hk += list(k[qsl[r]:qsl[r + 1]])
@@ -210,3 +212,11 @@ def test_decode_plan_is_built_once_and_replanned_per_step():
         if batch == [("a", 1), ("b", 1)]:
             first = sim.plan
     assert sim.plan is first and sim.plan.batch == 1 and sim.plan.max_batch == sim.num_slots
+
+
+def test_quant_step_writes_the_output_buffer():
+    sim = Sim(Tiering(sink=16, window=16, page=16))
+    for batch in ([("a", 30)], [("a", 1), ("b", 7)], [("a", 1), ("b", 1)]):  # prefill, mixed, decode-only
+        got, want = sim.step(batch, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and not got.isnan().any()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)

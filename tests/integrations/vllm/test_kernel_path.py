@@ -16,11 +16,12 @@ import oscarkv.integrations.vllm.core as core
 from oscarkv.kernels.decode_triton import decode_attention_triton
 from oscarkv.kernels.extend_triton import extend_attention_triton
 from oscarkv.kernels.quantize_triton import quantize_write_triton
+from oscarkv.kernels.rotate_triton import rotate_rows_triton
 from oscarkv.integrations.vllm.options import Tiering
 from test_core import Sim
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-calls = {"decode": 0, "extend": 0}
+calls = {"decode": 0, "extend": 0, "rotate": 0}
 
 
 def counted(name, fn):
@@ -31,7 +32,7 @@ def counted(name, fn):
 
 
 triton_ops = (quantize_write_triton, counted("decode", decode_attention_triton),
-              counted("extend", extend_attention_triton))
+              counted("extend", extend_attention_triton), counted("rotate", rotate_rows_triton))
 ref_ops = core.ops()
 for tiers in (Tiering(sink=16, window=16, page=16), Tiering(0, 0, 16, enabled=False)):
     sims = []
@@ -50,7 +51,7 @@ for tiers in (Tiering(sink=16, window=16, page=16), Tiering(0, 0, 16, enabled=Fa
         # the kernels' error budget (docs/kernels.md): relative Frobenius error, 2e-3 for 16-bit-operand extend
         err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-3, (tiers, batch, err)
-assert calls["decode"] >= 3 and calls["extend"] >= 6, calls
+assert calls["decode"] >= 3 and calls["extend"] >= 6 and calls["rotate"] >= 8, calls
 print("OK", calls)
 '''
 

@@ -1,0 +1,156 @@
+"""Host and device time of the vLLM plugin's per-layer work (``core.quant_step``) for one decode step, outside vLLM.
+
+    PYTHONPATH=. python3 benchmarks/vllm_layer_probe.py --batch 34 --context 32000 --out probe.json
+
+Shapes of ``benchmarks/bench_vllm.py``'s model (16 query / 8 KV heads, d = 128, pages of 64, sink 64 + window 256).
+The cache holds random bytes (timing only). It times ``build_step`` (once per step), then ``layers`` calls of
+``quant_step`` back to back as a step makes them: the host time of issuing them (no synchronisation) and the
+device time (CUDA events), with the step's shared decode plan and without one; then the profiler's top host ops.
+If the host time exceeds the device time, an eager vLLM step is bound by Python, not by the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from oscarkv.integrations.vllm.core import LayerParams, build_step, carve, decode_plan, page_bytes, quant_step
+from oscarkv.integrations.vllm.options import Tiering
+from oscarkv.integrations.vllm.windows import WindowSlots
+from oscarkv.kernels.layout import PageFormat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=34)
+    ap.add_argument("--context", type=int, default=32000)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--hq", type=int, default=16)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (reference ops)")
+    a = ap.parse_args()
+    dev, B, n, H, d, blk = torch.device(a.device), a.batch, a.context, a.hkv, 128, 64
+    tiers = Tiering(sink=64, window=256, page=blk)
+    fmt = PageFormat(H, d, page_size=blk)
+    per_seq = -(-(n + 1) // blk)
+    kv = torch.randint(0, 255, (B * per_seq + 1, page_bytes(fmt)), dtype=torch.uint8, device=dev)
+    pages = carve(kv, fmt)
+    for pool in pages:  # finite fp16 scales/offsets
+        pool.scale.copy_(torch.rand_like(pool.scale, dtype=torch.float32).to(pool.scale.dtype) * 0.1)
+        pool.offset.copy_(torch.randn_like(pool.offset, dtype=torch.float32).to(pool.offset.dtype) * 0.1)
+    slots = WindowSlots(B)
+    shape = (B + 1, tiers.rows16, H, d)
+    pools = tuple(torch.randn(shape, device=dev).to(torch.bfloat16) for _ in range(2))
+    bt = (1 + torch.arange(B * per_seq, dtype=torch.int32, device=dev)).view(B, per_seq)
+    keys = bt[:, 0].cpu().numpy().astype(np.int64)
+    slots.assign(keys, fresh=np.ones(B, dtype=bool))
+    g = torch.Generator().manual_seed(0)
+    rot = lambda: torch.linalg.qr(torch.randn(H, d, d, generator=g))[0].to(dev)  # noqa: E731
+    p = LayerParams(r_k=rot(), r_v=rot(), mu_k=torch.zeros(H, d, device=dev), mu_v=torch.zeros(H, d, device=dev),
+                    k_clip=0.96, v_clip=0.92, sm_scale=d**-0.5)
+    qsl, seq = np.arange(B + 1, dtype=np.int64), np.full(B, n + 1, dtype=np.int64)
+    slot_map = (bt[:, n // blk].long() * blk + n % blk).contiguous()
+    q = torch.randn(B, a.hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, H, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, H, d, device=dev, dtype=torch.bfloat16)
+
+    def step_meta():
+        return build_step(tiers, slots, B, qsl, seq, keys, bt, slot_map, blk)
+
+    res: dict = {"batch": B, "context": n, "layers": a.layers,
+                 "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    if dev.type != "cuda":
+        m = step_meta()
+        print("cpu smoke:", quant_step(q, k, v, pages, pools, p, m).shape)
+        return
+    t0 = time.perf_counter()
+    for _ in range(10):
+        m = step_meta()
+    res["build_step_ms"] = (time.perf_counter() - t0) * 100
+    plan = decode_plan(None, m, max_seqs=B, num_q_heads=a.hq, num_kv_heads=H, head_dim=d, block_size=blk,
+                       rows16=tiers.rows16, device=dev)
+    for name, use_plan in (("with_plan", True), ("without_plan", False)):
+        m.plan = plan if use_plan else None
+        for _ in range(2):  # warm-up (kernel builds)
+            quant_step(q, k, v, pages, pools, p, m)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        for _ in range(a.layers):
+            quant_step(q, k, v, pages, pools, p, m)
+        e1.record()
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        res[name] = {"host_ms_per_layer": host / a.layers, "wall_ms_per_layer": e0.elapsed_time(e1) / a.layers}
+        # device-only time: the same calls captured in a CUDA graph (no host overhead)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                quant_step(q, k, v, pages, pools, p, m)
+                with torch.cuda.graph(graph, stream=s):
+                    for _ in range(a.layers):
+                        quant_step(q, k, v, pages, pools, p, m)
+            torch.cuda.current_stream().wait_stream(s)
+            graph.replay()
+            torch.cuda.synchronize()
+            e0.record()
+            graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            res[name]["graph_ms_per_layer"] = e0.elapsed_time(e1) / a.layers
+        except Exception as e:  # noqa: BLE001 - recorded
+            res[name]["graph_error"] = repr(e)[:300]
+        print(name, json.dumps(res[name]), flush=True)
+    # one fresh prefill chunk of `context` tokens (a prompt in one chunk, as bench_vllm.py schedules them)
+    pslots = WindowSlots(1)
+    qk = torch.randn(n, a.hq, d, device=dev, dtype=torch.bfloat16)
+    kk, vk = (torch.randn(n, H, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.arange(n, device=dev)
+    pmap = (bt[0, pos // blk].long() * blk + pos % blk).contiguous()
+    pkeys = keys[:1]
+    pools1 = tuple(x[:2].clone() for x in pools)
+    times = []
+    for _ in range(3):
+        pslots.key_of_slot[:] = -1
+        pslots.slot_of_key.clear()
+        pm = build_step(tiers, pslots, 1, np.array([0, n]), np.array([n]), pkeys, bt[:1], pmap, blk)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        quant_step(qk, kk, vk, pages, pools1, p, pm)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sdpa(qk.transpose(0, 1)[None], kk.transpose(0, 1).repeat_interleave(a.hq // H, 0)[None],
+         vk.transpose(0, 1).repeat_interleave(a.hq // H, 0)[None], is_causal=True)
+    torch.cuda.synchronize()
+    res["prefill_chunk"] = {"tokens": n, "quant_step_ms": min(times), "sdpa_alone_ms": (time.perf_counter() - t0) * 1e3}
+    print("prefill", json.dumps(res["prefill_chunk"]), flush=True)
+    m.plan = plan
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            quant_step(q, k, v, pages, pools, p, m)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(table)
+    res["profile_top"] = table
+    print("build_step_ms", res["build_step_ms"])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
