@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -40,8 +41,9 @@ def provenance() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
-    try:
-        info["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:  # $OSCARKV_GIT_SHA wins: a copied tree's .git (the GPU machine's) can name another commit
+        info["git_sha"] = os.environ.get("OSCARKV_GIT_SHA") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
     if torch.cuda.is_available():
