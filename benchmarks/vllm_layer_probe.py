@@ -139,13 +139,15 @@ def main() -> None:
     m.plan = plan
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             quant_step(q, k, v, pages, pools, p, m)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    gpu_table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)
     print(table)
-    res["profile_top"] = table
+    print(gpu_table)
+    res["profile_top"], res["profile_gpu_top"] = table, gpu_table
     print("build_step_ms", res["build_step_ms"])
     if a.out:
         with open(a.out, "w") as f:
