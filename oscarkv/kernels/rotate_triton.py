@@ -3,8 +3,10 @@ added after), float32 math, optionally also scattered into a second tensor's row
 
 It replaces the ~5 torch ops per tensor (dtype casts, centering, an einsum's permute/bmm/reshape) that the vLLM
 backend issued per layer for q, k, v and the output: eager vLLM steps are bound by that host work, not by the
-GPU (benchmarks/vllm_layer_probe.py). Spec: :func:`oscarkv.kernels.reference.rotate_rows_ref`; the dot is
-float32 (``ieee``), so results match the reference to float32 rounding, not bit for bit.
+GPU (benchmarks/vllm_layer_probe.py). Spec: :func:`oscarkv.kernels.reference.rotate_rows_ref`. The dot is
+``tf32x3`` on the GPU (three TF32 tensor-core products, float32-level accuracy; the FMA ``ieee`` form took
+149 us per call on the H200 at 34 rows, as much as the decode attention) and ``ieee`` in the interpreter: results
+match the reference to about float32 rounding, not bit for bit, i.e. within one ulp of the 16-bit output.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_util import check_device
+from ._triton_util import check_device, interpreting
 
 
 @triton.jit
 def _rotate_rows_kernel(
     x_ptr, r_ptr, mu_ptr, out_ptr, out2_ptr, rows_ptr,
     N, G, sxn, sxh, srh, sri, srj, smh, son, soh, s2n, s2h,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MU: tl.constexpr, MU_AFTER: tl.constexpr,
-    HAS_OUT: tl.constexpr, HAS_OUT2: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MU: tl.constexpr,
+    MU_AFTER: tl.constexpr, HAS_OUT: tl.constexpr, HAS_OUT2: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -29,23 +31,25 @@ def _rotate_rows_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     mask = offs_n[:, None] < N
-    x = tl.load(x_ptr + offs_n[:, None] * sxn + h * sxh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_MU:
-        mu = tl.load(mu_ptr + hk * smh + offs_d)
-        if not MU_AFTER:
-            x = x - mu[None, :]
-    r = tl.load(r_ptr + hk * srh + offs_d[:, None] * sri + offs_d[None, :] * srj)
-    y = tl.dot(x, r, input_precision="ieee")
+    acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BLOCK_K):  # K in slices: a whole [D, D] float32 operand would spill
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_n[:, None] * sxn + h * sxh + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_MU:
+            if not MU_AFTER:
+                x = x - tl.load(mu_ptr + hk * smh + offs_k)[None, :]
+        r = tl.load(r_ptr + hk * srh + offs_k[:, None] * sri + offs_d[None, :] * srj)
+        acc = tl.dot(x, r, acc, input_precision=PRECISION)
     if HAS_MU:
         if MU_AFTER:
-            y = y + mu[None, :]
+            acc = acc + tl.load(mu_ptr + hk * smh + offs_d)[None, :]
     if HAS_OUT:
         tl.store(out_ptr + offs_n[:, None] * son + h * soh + offs_d[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=mask)
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
     if HAS_OUT2:
         rows = tl.load(rows_ptr + offs_n, mask=offs_n < N, other=0)
         tl.store(out2_ptr + rows[:, None] * s2n + h * s2h + offs_d[None, :],
-                 y.to(out2_ptr.dtype.element_ty), mask=mask)
+                 acc.to(out2_ptr.dtype.element_ty), mask=mask)
 
 
 def rotate_rows_triton(
@@ -81,8 +85,9 @@ def rotate_rows_triton(
         x, r, mu if mu is not None else r, o, o2, rows if rows is not None else x,
         N, hx // H, x.stride(0), x.stride(1), r.stride(0), sri, srj, mu.stride(0) if mu is not None else 0,
         o.stride(0), o.stride(1), o2.stride(0), o2.stride(1),
-        D=d, BLOCK_N=block_n, HAS_MU=mu is not None, MU_AFTER=mean_after, HAS_OUT=out is not None,
-        HAS_OUT2=rows_out is not None, num_warps=4,
+        D=d, BLOCK_N=block_n, BLOCK_K=min(32, d), HAS_MU=mu is not None, MU_AFTER=mean_after,
+        HAS_OUT=out is not None, HAS_OUT2=rows_out is not None, PRECISION="ieee" if interpreting() else "tf32x3",
+        num_warps=4,
     )
     return out
 
