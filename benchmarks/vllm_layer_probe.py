@@ -137,6 +137,20 @@ def main() -> None:
     res["prefill_chunk"] = {"tokens": n, "quant_step_ms": min(times), "sdpa_alone_ms": (time.perf_counter() - t0) * 1e3}
     print("prefill", json.dumps(res["prefill_chunk"]), flush=True)
     m.plan = plan
+    import cProfile
+    import io
+    import pstats
+
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(5 * a.layers):
+        quant_step(q, k, v, pages, pools, p, m)
+    prof_py.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof_py, stream=buf).sort_stats("tottime").print_stats(30)
+    res["python_profile"] = buf.getvalue()
+    print(buf.getvalue()[:6000])
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
