@@ -141,9 +141,10 @@ def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dic
     row = {"batch": batch, "context": ctx, "tokens_2bit": n2, "bytes": nbytes}
     out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     for impl in impls:
-        # "cuda[:N][:mk|:fm][:f|:s][:subn][:lazy]": N programs per SM, separate merge kernel / fused last-CTA
-        # merge, both tiers in one launch / one per tier, compile-time variants of the 2-bit loop
-        # (decode_cuda.VARIANTS, or "none"; none named = the library's default); "triton[:warps]"
+        # "cuda[:N][:mk|:fm][:f|:s][:<variant>...]": N programs per SM, separate merge kernel / fused last-CTA
+        # merge, both tiers in one launch / one per tier, compile-time variants of the 2-bit loop (any names of
+        # decode_cuda.VARIANTS, e.g. subn, lazy, l2pf, cpa, cpa3, qk2, pdl, or "none"; they replace the library's
+        # default, which applies when none is named); "triton[:warps]"
         from oscarkv.kernels.decode_cuda import VARIANTS
 
         name, *opts = impl.split(":")

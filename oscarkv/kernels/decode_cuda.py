@@ -57,7 +57,13 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 # prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB). All three are the default:
 # on the H200 they took 128K x 64 from 2.08 to 1.71 ms (2.36 -> 2.87 TB/s), 128K x 8 from 0.308 to 0.249 ms and
 # 128K x 1 from 0.057 to 0.049 ms, every GPU test passing (docs/results/kernels_h200.md, session 13).
-VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_"}
+# Second round (off by default, to be measured): "cpa" / "cpa3" (each warp streams its pages global -> shared
+# memory with cp.async, 2 / 3 page stages, instead of the one-chunk register prefetch; page strides below 4 GiB,
+# code and metadata pages 16-byte aligned; dynamic shared memory, see `_smem_bytes`), "qk2" (two independent mma
+# chains for a chunk's QK product), "pdl" (the merge kernel is a programmatic dependent launch of the split
+# kernel). A value is a define, set to 1 when the name is picked, or (define, value).
+VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2), "cpa3": ("CPA_", 3),
+            "qk2": "QK2_", "pdl": "PDL_"}
 DEFAULT_VARIANT = "subn+lazy+l2pf"
 VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # overrides the default of ``variant=None``; "none" = no variant
 
@@ -68,13 +74,24 @@ def _resolve_variant(variant: str | None) -> str:
     return "" if variant == "none" else variant
 
 
+def _variant_names(variant: str | None) -> list[str]:
+    return [v for v in _resolve_variant(variant).replace(",", "+").split("+") if v]
+
+
 def _variant_flags(variant: str | None) -> dict[str, int]:
-    variant = _resolve_variant(variant)
-    names = [v for v in variant.replace(",", "+").split("+") if v]
+    names = _variant_names(variant)
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown CUDA decode variant(s) {bad}: choose from {sorted(VARIANTS)}, joined by '+'")
-    return {define: int(name in names) for name, define in VARIANTS.items()}
+    flags: dict[str, int] = {}
+    for name, spec in VARIANTS.items():
+        define, value = (spec, 1) if isinstance(spec, str) else spec
+        flags.setdefault(define, 0)
+        if name in names:
+            if flags[define] not in (0, value):
+                raise ValueError(f"CUDA decode variants {sorted(n for n in names if n in VARIANTS)} set {define} twice")
+            flags[define] = value
+    return flags
 
 
 def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: int, arch: int = 90,
@@ -84,6 +101,18 @@ def config_key(d: int, g: int, page: int, q_dtype, dtype16, meta_dtype, part: in
     return (("D_", d), ("GQ_", g), ("PS_", page), ("NW_", _NW), ("QT_", _DT[q_dtype]), ("T16_", _DT[dtype16]),
             ("MT_", _DT[meta_dtype] if meta_dtype != torch.float32 else 0), ("MINB_", minb), ("PART_", part),
             *((k, flags[k]) for k in sorted(flags)), ("ARCH", arch))
+
+
+def _smem_bytes(key: tuple) -> int:
+    """Dynamic shared memory of the split kernel of ``key``: CPA_'s page stages (NW_ x CP_WREG in the .cu), else 0."""
+    k = dict(key)
+    nst = k.get("CPA_", 0)
+    if not nst:
+        return 0
+    d, ps = k["D_"], k["PS_"]
+    msz = 4 if k["MT_"] == 0 else 2
+    stage = 2 * ps * d // 4 + 4 * ps * msz  # K and V codes, four metadata rows
+    return k["NW_"] * (-(-max(nst * stage, 8 * d * 4) // 128) * 128)
 
 
 def build(key: tuple) -> Path:
@@ -118,6 +147,10 @@ class _Driver:
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        if hasattr(self.lib, "cuLaunchKernelEx"):  # CUDA 12+ drivers; only the "pdl" variant uses it
+            self.lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                                  ctypes.c_void_p]
 
     def check(self, res: int, what: str) -> None:
         if res != 0:
@@ -129,6 +162,11 @@ class _Driver:
 @functools.lru_cache(maxsize=1)
 def _driver() -> _Driver:
     return _Driver()
+
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,6 +183,12 @@ def _functions(key: tuple, device_index: int) -> tuple[int, int]:
             fn = ctypes.c_void_p()
             drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name), "cuModuleGetFunction")
             fns.append(fn.value)
+        smem = _smem_bytes(key)
+        if smem:  # CPA_: opt in to more than 48 KB of dynamic shared memory, and prefer shared memory over L1
+            drv.check(drv.lib.cuFuncSetAttribute(fns[0], _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                      "cuFuncSetAttribute(max dynamic shared memory)")
+            drv.check(drv.lib.cuFuncSetAttribute(fns[0], _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+                      "cuFuncSetAttribute(shared memory carveout)")
         return fns[0], fns[1]
 
 
@@ -163,11 +207,29 @@ _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part",
     (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
 
 
-def _launch(fn: int, grid: tuple[int, int], block: int, params: ctypes.Structure, stream: int) -> None:
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [(n, ctypes.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "smem")] + [
+        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+def _launch(fn: int, grid: tuple[int, int], block: int, params: ctypes.Structure, stream: int, smem: int = 0,
+            pdl: bool = False) -> None:
+    """``pdl``: launch as a programmatic dependent of the previous kernel in the stream (its griddepcontrol.wait
+    returns once that grid has completed and its memory is visible)."""
     drv = _driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    res = drv.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, block, 1, 1, 0, stream, args, None)
-    drv.check(res, "cuLaunchKernel")
+    if not pdl:
+        res = drv.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, block, 1, 1, smem, stream, args, None)
+        drv.check(res, "cuLaunchKernel")
+        return
+    attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+    drv.check(drv.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, args, None), "cuLaunchKernelEx(programmatic)")
 
 
 def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
@@ -189,6 +251,18 @@ def _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan):
             raise ValueError(f"scale/offset pages must be {pair}-byte aligned with even page and head strides")
 
 
+def _cpa_aligned(k_pages: QuantPages, v_pages: QuantPages) -> bool:
+    """CPA_ copies whole (page, head) blocks of codes and metadata rows in 16-byte pieces."""
+    for pages in (k_pages, v_pages):
+        es = pages.scale.element_size()
+        if pages.codes.data_ptr() % 16 or pages.codes.stride(0) % 16 or pages.codes.stride(1) % 16:
+            return False
+        for t in (pages.scale, pages.offset):
+            if t.data_ptr() % 16 or (t.stride(0) * es) % 16 or (t.stride(1) * es) % 16:
+                return False
+    return True
+
+
 def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
@@ -204,16 +278,24 @@ def decode_attention_cuda(
     combines the partials through the plan's ticket counters: no second launch, but a serial tail).
     ``variant``: compile-time variants of the 2-bit loop (:data:`VARIANTS`, joined by ``+``, e.g.
     ``"subn+lazy"``; ``""`` or ``"none"`` = none); None: ``$OSCARKV_CUDA_DECODE_VARIANT`` if set, else
-    :data:`DEFAULT_VARIANT` (without "l2pf" for page strides of 4 GiB or more, where it cannot address)."""
+    :data:`DEFAULT_VARIANT` (without "l2pf" / "cpa" for page strides of 4 GiB or more, where they cannot
+    address, and without "cpa" for pages not 16-byte aligned; an explicit ``variant`` raises there)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     explicit = variant is not None
     variant = _resolve_variant(variant)
-    if _variant_flags(variant)["L2PF_"] and max(k_pages.codes.stride(0), k_pages.scale.stride(0)
-                                                 * k_pages.scale.element_size()) >= 2**32:
+    flags = _variant_flags(variant)
+    big = max(k_pages.codes.stride(0), k_pages.scale.stride(0) * k_pages.scale.element_size()) >= 2**32
+    drop = []
+    if flags["L2PF_"] and big:
+        drop.append(("l2pf", "page strides below 4 GiB"))
+    if flags["CPA_"] and (big or not _cpa_aligned(k_pages, v_pages)):
+        drop.append(("cpa/cpa3", "page strides below 4 GiB and 16-byte aligned code and metadata pages"))
+    if drop:
         if explicit:
-            raise ValueError("variant 'l2pf' needs page strides below 4 GiB")
-        variant = "+".join(v for v in variant.split("+") if v != "l2pf")  # the default drops the hint
+            raise ValueError("; ".join(f"variant '{n}' needs {why}" for n, why in drop))
+        gone = {x for n, _ in drop for x in n.split("/")}  # the default / environment drops them
+        variant = "+".join(v for v in _variant_names(variant) if v not in gone) or "none"
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads
@@ -258,14 +340,14 @@ def decode_attention_cuda(
             continue
         key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part, variant=variant)
         split_fn, _ = _functions(key, dev)
-        _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream)
+        _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream, smem=_smem_bytes(key))
     if merge == "fused":
         return out
-    _, merge_fn = _functions(config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0],
-                                        variant=variant), dev)
+    mkey = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0], variant=variant)
+    _, merge_fn = _functions(mkey, dev)
     mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                       lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])
-    _launch(merge_fn, (B * hq, 1), 128, mp, stream)  # MERGE_THREADS in the .cu
+    _launch(merge_fn, (B * hq, 1), 128, mp, stream, pdl=bool(dict(mkey)["PDL_"]))  # MERGE_THREADS in the .cu
     return out
 
 

@@ -30,6 +30,22 @@
 //     instructions per page at d = 128 (a hint: no registers, nothing to wait for), so that more bytes are in
 //     flight than the one-chunk register prefetch holds (16 warps x 1.15 KB per SM). (A bulk prefetch takes
 //     uniform operands: ptxas loops over the lanes, ~50 instructions per page.)
+//   CPA_ = 2 or 3: a per-warp cp.async pipeline of CPA_ page stages in shared memory instead of the one-chunk
+//     register prefetch: while a warp works on its page k, pages k + 1 .. k + CPA_ - 1 (K and V codes and the four
+//     metadata rows of its KV head, 16-byte cp.async.cg per lane, one commit group per page) are in flight, i.e.
+//     4.6 KB (CPA_ = 2) or 9.2 KB (3) per warp at d = 128 / 64-token pages instead of one 1.15 KB chunk; the block
+//     table entry of a page is read one page before its copy is issued. The chunk operands are then read from
+//     shared memory (ld.shared, as many as the global loads they replace), conflict-free: K rows are stored in
+//     mma-row order (token 2i + e at row i + 8e of its chunk), V rows transposed by 4 (token 4a + b at row a + 4b;
+//     at d = 256 one extra granule swizzle). The stages live in dynamic shared memory (decode_cuda.py passes
+//     NW * CP_WREG bytes; the kernel traps on less) and are reused for the per-warp partial outputs at the end.
+//     With L2PF_, the L2 prefetch goes to page k + CPA_, the one after those in flight.
+//   QK2_ = 1: the QK product of a chunk accumulates its k-steps in two independent mma chains (even / odd), added
+//     at the end (4 FADD): halves the dependent HMMA chain (8 -> 4) in front of the softmax of every chunk.
+//   PDL_ = 1: programmatic dependent launch of the merge kernel: each split CTA signals
+//     griddepcontrol.launch_dependents at its start, the merge kernel (launched by decode_cuda.py with the
+//     programmatic-stream-serialization attribute) waits in griddepcontrol.wait for the split grid to complete,
+//     so its launch and prologue overlap the split kernel's tail (no effect on the fused merge).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -69,6 +85,16 @@
 #ifndef L2PF_
 #define L2PF_ 0
 #endif
+#ifndef CPA_
+#define CPA_ 0
+#endif
+#ifndef QK2_
+#define QK2_ 0
+#endif
+#ifndef PDL_
+#define PDL_ 0
+#endif
+static_assert(CPA_ == 0 || CPA_ == 2 || CPA_ == 3, "CPA_: 0 (register prefetch), 2 or 3 shared-memory stages");
 
 constexpr int D = D_, GQ = GQ_, PS = PS_, NW = NW_;
 constexpr int KS = D / 16;   // k-steps of the QK product, m-tiles of the PV product
@@ -288,6 +314,127 @@ __device__ __forceinline__ void load_chunk_page(Chunk2& c, const PagePtrs& pp) {
   c.vo = *reinterpret_cast<const meta2_t*>(pp.vo + CH * 16);
 }
 
+// ---- CPA_: per-warp cp.async page stages in shared memory (see the header). One stage = one page of one KV
+// head: [K codes: PS rows of RB][V codes: PS rows of RB][ks, ko, vs, vo rows: PS metadata each]. Rows of a
+// 16-token chunk are permuted (granules of 16 bytes move, never bytes) so that a thread's reads are at
+// lane-constant offsets plus compile-time ones and a warp's ld.shared are bank-conflict-free:
+//   K: token 2i + e of the chunk at row i + 8e: thread (gid, tig) reads rows gid, gid + 8 at byte tig * BPT.
+//   V: token 4a + b at row a + 4b: thread reads rows tig + 4b (b = 0..3) at byte gid * BPV (d = 256: bit 5 of
+//      the in-stage offset is XORed with bit 7, because 16 threads of an 8-byte load cover only 2 of the 4
+//      32-byte bank groups of a 64-byte row otherwise).
+//   metadata: natural order (a thread's pair of adjacent tokens is one 32-bit read, broadcast over tig).
+constexpr int MSZ = (int)sizeof(meta_t);
+constexpr int CP_CODE = PS * RB;               // bytes of one page's K (or V) codes of one KV head
+constexpr int CP_META = 4 * PS * MSZ;          // its four metadata rows
+constexpr int CP_STG = 2 * CP_CODE + CP_META;  // one stage (a multiple of 128 bytes)
+constexpr int SMO_BYTES = 8 * D * 4;           // a warp's unnormalised partial outputs at the end
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+// bytes of shared memory per warp (the stages, reused for the partial outputs): decode_cuda.py mirrors this
+constexpr int CP_WREG = (cmax(CPA_ * CP_STG, SMO_BYTES) + 127) / 128 * 128;
+constexpr int CP_NCG = CP_CODE / 16, CP_NCI = (CP_NCG + 31) / 32;  // 16-byte granules of K (V), per lane
+constexpr int CP_NMG = CP_META / 16, CP_NMI = (CP_NMG + 31) / 32;  // ... of the metadata
+static_assert(CP_STG % 128 == 0, "stage size");
+
+#if CPA_
+extern __shared__ __align__(128) uint8_t dsm[];
+#endif
+
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ constexpr uint32_t vswz(uint32_t off) {
+  return D == 256 ? off ^ (((off >> 7) & 1u) << 5) : off;
+}
+
+// Copies: lane l writes the stage's 16-byte granules 32 i + l of each part (K, V, metadata: in-stage offset
+// 16 l + 512 i), so the permutation is on the source side, in the lane's fixed source offset: the granule at
+// stage offset o of the K (V) part holds row tok(o / RB) (granule (o % RB) / 16) of the page, with (in a chunk)
+// K: row p <- token 2 (p & 7) + (p >> 3); V: row p <- token 4 (p & 3) + (p >> 2) (and at d = 256 the granule of
+// vswz(o)). For granule 32 i + l the source row is the lane's plus a compile-time part (cpa_ksrc / cpa_vsrc).
+__device__ __forceinline__ constexpr uint32_t cpa_ksrc(uint32_t o) {  // page byte offset of K granule at o
+  const uint32_t row = o / RB, p = row & 15;
+  return ((row & ~15u) + 2 * (p & 7) + (p >> 3)) * RB + o % RB;
+}
+__device__ __forceinline__ constexpr uint32_t cpa_vsrc(uint32_t o) {
+  const uint32_t w = vswz(o), row = w / RB, p = row & 15;
+  return ((row & ~15u) + 4 * (p & 3) + (p >> 2)) * RB + w % RB;
+}
+// granule 32 i + l: source = lane part (i = 0) + cpa_?imm(i), exactly (checked by static_asserts below for l = 0
+// and, the maps being affine in the bits i and l occupy, for every lane)
+__device__ __forceinline__ constexpr uint32_t cpa_kimm(int i) { return cpa_ksrc(512u * i); }
+__device__ __forceinline__ constexpr uint32_t cpa_vimm(int i) { return cpa_vsrc(512u * i); }
+static_assert(cpa_ksrc(512u + 16u * 31) == cpa_ksrc(16u * 31) + cpa_kimm(1), "K copy map not affine in i");
+static_assert(cpa_vsrc(512u + 16u * 31) == cpa_vsrc(16u * 31) + cpa_vimm(1), "V copy map not affine in i");
+static_assert(cpa_ksrc(3 * 512u + 16u * 13) == cpa_ksrc(16u * 13) + cpa_kimm(3), "K copy map not affine in i");
+static_assert(cpa_vsrc(3 * 512u + 16u * 13) == cpa_vsrc(16u * 13) + cpa_vimm(3), "V copy map not affine in i");
+
+struct CpaLane {  // a lane's fixed parts of its copies (page strides below 2^32 bytes: decode_cuda.py checks)
+  const uint8_t *k, *v;         // source of its K / V granule of page 0, i = 0 (granule i: + cpa_kimm(i), ...)
+  const uint8_t* meta[CP_NMI];  // its metadata granule i of page 0 (row (32 i + lane) / (PS MSZ / 16))
+};
+
+__device__ __forceinline__ void cpa_setup(CpaLane& cl, const Params& p, int h, int lane) {
+  const int64_t c = h * p.s_ch;
+  cl.k = reinterpret_cast<const uint8_t*>(p.kc) + c + cpa_ksrc(16 * lane);
+  cl.v = reinterpret_cast<const uint8_t*>(p.vc) + c + cpa_vsrc(16 * lane);
+  constexpr int RG = PS * MSZ / 16;  // granules per metadata row
+#pragma unroll
+  for (int i = 0; i < CP_NMI; ++i) {
+    const int g = 32 * i + lane, m = min(g / RG, 3), col = g % RG;
+    const uint64_t base = m == 0 ? p.ks : m == 1 ? p.ko : m == 2 ? p.vs : p.vo;
+    cl.meta[i] = reinterpret_cast<const uint8_t*>(base) + h * p.s_mh * (int64_t)MSZ + 16 * col;
+  }
+}
+
+// Issue the copies of physical page `page` into the stage at shared address `sdst` (not committed here); sl =
+// sdst + 16 lane.
+__device__ __forceinline__ void cpa_issue(const Params& p, const CpaLane& cl, uint32_t sl, int32_t page, int lane) {
+  const uint64_t pu = (uint32_t)page;
+  const uint8_t* kg = cl.k + pu * (uint32_t)p.s_cp;  // one IMAD.WIDE.U32 each
+  const uint8_t* vg = cl.v + pu * (uint32_t)p.s_cp;
+#pragma unroll
+  for (int i = 0; i < CP_NCI; ++i)
+    if (CP_NCG % 32 == 0 || 32 * i + lane < CP_NCG) {
+      cp16(sl + 512 * i, kg + cpa_kimm(i));
+      cp16(sl + CP_CODE + 512 * i, vg + cpa_vimm(i));
+    }
+  const uint32_t mstride = (uint32_t)(p.s_mp * MSZ);
+#pragma unroll
+  for (int i = 0; i < CP_NMI; ++i)
+    if (CP_NMG % 32 == 0 || 32 * i + lane < CP_NMG) cp16(sl + 2 * CP_CODE + 512 * i, cl.meta[i] + pu * mstride);
+}
+
+// Chunk CH of a stage from shared memory; sk / sv / sm: the stage plus this thread's K / V / metadata offsets
+template <int CH>
+__device__ __forceinline__ void load_chunk_smem(Chunk2& c, const uint8_t* sk, const uint8_t* sv, const uint8_t* sm) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* src = sk + CH * 16 * RB + 8 * r * RB;
+    if constexpr (WPT == 1) c.k[r][0] = *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (WPT == 2) { uint2 w = *reinterpret_cast<const uint2*>(src); c.k[r][0] = w.x; c.k[r][1] = w.y; }
+    if constexpr (WPT == 4) {
+      uint4 w = *reinterpret_cast<const uint4*>(src);
+      c.k[r][0] = w.x; c.k[r][1] = w.y; c.k[r][2] = w.z; c.k[r][3] = w.w;
+    }
+  }
+  constexpr int toks[4] = {0, 2, 1, 3};  // token 4 tig + toks[i]: row tig + 4 toks[i]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* src = sv + CH * 16 * RB + 4 * toks[i] * RB;
+    if constexpr (BPV == 2) c.v[i][0] = *reinterpret_cast<const uint16_t*>(src);
+    if constexpr (BPV == 4) c.v[i][0] = *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (BPV == 8) { uint2 w = *reinterpret_cast<const uint2*>(src); c.v[i][0] = w.x; c.v[i][1] = w.y; }
+  }
+  c.ks = *reinterpret_cast<const meta2_t*>(sm + 0 * PS * MSZ + CH * 16 * MSZ);
+  c.ko = *reinterpret_cast<const meta2_t*>(sm + 1 * PS * MSZ + CH * 16 * MSZ);
+  c.vs = *reinterpret_cast<const meta2_t*>(sm + 2 * PS * MSZ + CH * 16 * MSZ);
+  c.vo = *reinterpret_cast<const meta2_t*>(sm + 3 * PS * MSZ + CH * 16 * MSZ);
+}
+
 // Per-warp online-softmax state: heads 2tig, 2tig+1 of the C fragments; O^T rows (d) per m-tile.
 struct State {
   float m[2], l[2], acc[KS][4];
@@ -365,14 +512,26 @@ __device__ __forceinline__ void chunk_2bit(const Q2& q, const Chunk2& cur, State
                                            int gid) {
   // ---- S^T = K Q'^T (codes biased by 1024, field j scaled by 4^j: both folded into Q' and the bias)
   float s[4] = {0.f, 0.f, 0.f, 0.f};
+#if QK2_
+  float s2[4] = {0.f, 0.f, 0.f, 0.f};  // the odd k-steps: a second, independent mma chain
+#endif
 #pragma unroll
   for (int s_ = 0; s_ < KS; ++s_) {
     const int j = s_ / WPT, wi = s_ % WPT;
     const uint32_t lo0 = cur.k[0][wi], hi0 = cur.k[0][wi] >> 8;
     const uint32_t lo1 = cur.k[1][wi], hi1 = cur.k[1][wi] >> 8;
-    mma_f16(s, fieldj(lo0, j, q.magic), fieldj(lo1, j, q.magic), fieldj(hi0, j, q.magic), fieldj(hi1, j, q.magic),
+#if QK2_
+    float(&acc)[4] = (s_ & 1) ? s2 : s;
+#else
+    float(&acc)[4] = s;
+#endif
+    mma_f16(acc, fieldj(lo0, j, q.magic), fieldj(lo1, j, q.magic), fieldj(hi0, j, q.magic), fieldj(hi1, j, q.magic),
             q.qb[s_][0], q.qb[s_][1]);
   }
+#if QK2_
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] += s2[i];
+#endif
   const float ks0 = meta_lo(cur.ks), ks1 = meta_hi(cur.ks), ko0 = meta_lo(cur.ko), ko1 = meta_hi(cur.ko);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -468,6 +627,33 @@ __device__ __forceinline__ bool page_2bit(const Q2& q, Chunk2 (&buf)[2], State& 
   return has_next;
 }
 
+#if CPA_
+// CPA_: one page of a warp from its shared-memory stage sb (copies complete and visible to the warp); with L2PF_,
+// page pf_page (the one after those in flight) is prefetched into L2 before the last chunk.
+template <bool MASKED>
+__device__ __forceinline__ void page_cpa(const Q2& q, State& st, float (&osum)[2], const Params& p, const Bases2& bs,
+                                         const uint8_t* sb, uint32_t kr, uint32_t vr, uint32_t mr, int32_t pf_page,
+                                         int left, int gid) {
+#pragma unroll
+  for (int ch = 0; ch < CPP; ++ch) {
+    if (L2PF_ && ch == CPP - 1)
+      l2_prefetch_page(p, bs, pf_page, PF_LINES % 16 == 0 ? 0 : (int)(threadIdx.x & 31));
+    if (!MASKED || 16 * ch < left) {
+      Chunk2 c;
+      switch (ch) {  // compile-time offsets (ch is a constant after unrolling)
+#define OSCAR_LCS(n) case n: load_chunk_smem<n>(c, sb + kr, sb + CP_CODE + vr, sb + 2 * CP_CODE + mr); break;
+        OSCAR_LCS(0) OSCAR_LCS(1) OSCAR_LCS(2) OSCAR_LCS(3) OSCAR_LCS(4) OSCAR_LCS(5) OSCAR_LCS(6) OSCAR_LCS(7)
+        OSCAR_LCS(8) OSCAR_LCS(9) OSCAR_LCS(10) OSCAR_LCS(11) OSCAR_LCS(12) OSCAR_LCS(13) OSCAR_LCS(14) OSCAR_LCS(15)
+#undef OSCAR_LCS
+        default: break;
+      }
+      chunk_2bit<MASKED>(q, c, st, osum, left - 16 * ch, gid);
+    }
+  }
+}
+static_assert(CPA_ == 0 || CPP <= 16, "CPA_: pages of at most 256 tokens");
+#endif
+
 __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vref, int b, int h, int lo, int hi,
                          int warp, int gid, int tig) {
   // Q' fragments: b0/b1 of k-step s for head gid; per-head sums for heads 2tig, 2tig+1
@@ -520,12 +706,35 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
              min(128 * (lane >> 2), PF_META - 1);
   }
 #endif
+#if CPA_
+  // this warp's pages pg + k NW, k < npg: page k in stage k % CPA_; pages k + 1 .. k + CPA_ - 1 in flight while
+  // page k is computed (one commit group per page, empty groups past the last so that the counts stay uniform)
+  const int npg = (p_end - pg + NW - 1) / NW, lane = 4 * gid + tig;
+  CpaLane cl;
+  cpa_setup(cl, p, h, lane);
+  uint8_t* const wreg = dsm + warp * CP_WREG;
+  const uint32_t sw = (uint32_t)__cvta_generic_to_shared(wreg) + 16 * lane;  // + this lane's copy slot
+  const uint32_t kr = gid * RB + tig * BPT, vr = vswz(tig * RB + gid * BPV), mr = 2 * gid * MSZ;
+#pragma unroll
+  for (int k = 0; k < CPA_ - 1; ++k) {
+    if (k < npg) cpa_issue(p, cl, sw + k * CP_STG, bt[pg + k * NW], lane);
+    cp_commit();
+  }
+  int32_t id_w = CPA_ - 1 < npg ? bt[pg + (CPA_ - 1) * NW] : 0;  // the page the next copy is for
+  cp_wait<CPA_ - 2>();  // page 0 has landed
+  __syncwarp();
+  {  // reference V scale (valid rows of the first chunk): keeps p * s_v / v_ref inside float16's normal range
+    const int left = hi - pg * PS;
+    const meta2_t vs = *reinterpret_cast<const meta2_t*>(wreg + 2 * CP_CODE + 2 * PS * MSZ + mr);
+    const float a = 2 * gid < left ? meta_lo(vs) : 0.f, c = 2 * gid + 1 < left ? meta_hi(vs) : 0.f;
+#else
   Chunk2 buf[2];
   PagePtrs pp = page_ptrs(p, bs, bt[pg]);
   load_chunk_page<0>(buf[0], pp);
   {  // reference V scale (valid rows of the first chunk): keeps p * s_v / v_ref inside float16's normal range
     const int left = hi - pg * PS;
     const float a = 2 * gid < left ? meta_lo(buf[0].vs) : 0.f, c = 2 * gid + 1 < left ? meta_hi(buf[0].vs) : 0.f;
+#endif
     const float vm = warp_max8(fmaxf(a, c));
     vref = (vm > 0.f && vm < 3.0e38f) ? vm : 1.f;
     q.iv = 1.f / vref;
@@ -534,12 +743,40 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
     // it in m (then the partial output, l and osum are all in units of 1 / v_ref), the codes 2^-24 with SUBN_
     vref = (LAZY_ ? 1.f : vref) * LS;
   }
+#if CPA_
+  uint32_t rd = 0, wr = (CPA_ - 1) * CP_STG;  // stage offsets of page k and of page k + CPA_ - 1
+  const int32_t* btn = bt + pg + CPA_ * NW;   // block-table entry of page k + CPA_
+  int left = hi - pg * PS;                    // tokens of the split from page k on
+  for (int c = npg;; --c) {                   // c = npg - k pages left, this one included
+    if (c >= CPA_) cpa_issue(p, cl, sw + wr, id_w, lane);  // page k + CPA_ - 1, into the stage page k - 1 left
+    cp_commit();
+    const int32_t id_n = c > CPA_ ? *btn : 0;  // read a page before it is needed
+    cp_wait<CPA_ - 1>();  // page k has landed (only the CPA_ - 1 newest groups may be pending)
+    __syncwarp();         // ... for every lane's copies
+    if (left >= PS) page_cpa<false>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid);
+    else page_cpa<true>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid);
+    __syncwarp();  // every lane has read stage rd before the next iteration's copies overwrite it
+    if (c == 1) break;
+    id_w = id_n;
+    btn += NW;
+    left -= NW * PS;
+    if constexpr (CPA_ == 2) {
+      rd = CP_STG - rd; wr = CP_STG - wr;
+    } else {
+      rd = rd == (CPA_ - 1) * CP_STG ? 0 : rd + CP_STG;
+      wr = wr == (CPA_ - 1) * CP_STG ? 0 : wr + CP_STG;
+    }
+  }
+  cp_wait<0>();  // only empty groups can be left; the region then holds the partial outputs
+  __syncwarp();
+#else
   while (true) {  // CPP odd: a chunk's buffer alternates between pages, so pages go in pairs
     if (!page_2bit<0>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
     if constexpr (CPP % 2 == 1) {
       if (!page_2bit<1>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
     }
   }
+#endif
 }
 
 template <bool BF>
@@ -683,7 +920,20 @@ __device__ void merge_cta(const Params& p, int b, int h, int warp, int lane) {
 #endif
 extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(const Params p) {
   __shared__ float sm_m[NW][8], sm_l[NW][8];
+#if CPA_  // a warp's partial outputs [8][D] reuse its stages (dynamic shared memory, NW * CP_WREG bytes)
+  {
+    uint32_t dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < (uint32_t)(NW * CP_WREG)) __trap();  // the launcher passed less than the stages need
+  }
+#define SM_O(w, hh, d) reinterpret_cast<float*>(dsm + (w) * CP_WREG)[(hh) * D + (d)]
+#else
   __shared__ float sm_o[NW][8][D];
+#define SM_O(w, hh, d) sm_o[w][hh][d]
+#endif
+#if PDL_  // the merge kernel may be scheduled now: it waits (griddepcontrol.wait) for this grid to complete
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int split = blockIdx.x + (PART_ == 2 ? (int)p.num_qsplits : 0), bh = blockIdx.y;
   const int b = bh / (int)p.hkv, h = bh % (int)p.hkv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -730,7 +980,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
       } else {
         d = gid * (D / 8) + 2 * mt + r;
       }
-      sm_o[warp][hh][d] = v;
+      SM_O(warp, hh, d) = v;
     }
   __syncthreads();
   // ---- merge the warps, write the split's partial output and log-sum-exp
@@ -745,7 +995,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
       for (int w = 0; w < NW; ++w) {
         const float f = sm_m[w][hh] > -INFINITY ? ex2(sm_m[w][hh] - mx) : 0.f;
         den += f * sm_l[w][hh];
-        num += f * sm_o[w][hh][d];
+        num += f * SM_O(w, hh, d);
       }
     }
     float* o = reinterpret_cast<float*>(p.o_part) + b * p.so_b + (int64_t)(h * GQ + hh) * p.so_h + split * p.so_s;
@@ -805,6 +1055,9 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) oscar_decode_merge(c
   __shared__ float4 part[MERGE_THREADS];
   const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, t = threadIdx.x;
   const int S = (int)p.num_splits;
+#if PDL_  // launched as a programmatic dependent of the split kernel: its partials are complete after this
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
   const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
   float mx = -INFINITY;
