@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...kernels.plan import DecodePlan
 from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, quant_step
+from .graphs import LayerGraphs, SharedInputs, StaticDecode
 from .options import OscarOptions, OscarVllmError
 from .runtime import layer_params, local_kv_heads, runtime
 from .windows import WindowSlots
@@ -120,6 +121,18 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self.num_q_heads = self.rt.model.num_q_heads // tp  # this rank's query heads
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self._plan: DecodePlan | None = None
+        self._static_decode: StaticDecode | None = None
+
+    def _static(self, width: int) -> StaticDecode:
+        """The persistent buffers of padded decode steps (built once, for the block table's width)."""
+        if self._static_decode is None or self._static_decode.width < width:
+            tiers = self.rt.tiers
+            plan = DecodePlan(max_batch=self.max_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                              head_dim=self.rt.model.head_dim, page_size=self.block_size, max_pages=width,
+                              max_len16=tiers.rows16, device=self.device)
+            self._static_decode = StaticDecode(self.max_seqs, width, tiers.rows16, self.rt.num_slots * tiers.rows16,
+                                               plan, self.device)
+        return self._static_decode
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
@@ -132,11 +145,15 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         keys = bt[:, 0].cpu().numpy().astype(np.int64) if self.slots is not None else None
         step = build_step(self.rt.tiers, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
                           cam.slot_mapping[: cam.num_actual_tokens], self.block_size)
-        if self.rt.windows and self.device.type == "cuda":  # one split plan per step, shared by the layers
-            self._plan = decode_plan(self._plan, step, max_seqs=self.max_seqs, num_q_heads=self.num_q_heads,
-                                     num_kv_heads=self.num_kv_heads, head_dim=self.rt.model.head_dim,
-                                     block_size=self.block_size, rows16=self.rt.tiers.rows16, device=self.device)
-            step.plan = self._plan if step.num_decodes else None
+        if self.rt.windows and self.device.type == "cuda":
+            if self.rt.opts.decode_graphs and step.num_decodes == B and B:  # decode only: padded for graphs
+                step = self._static(cam.block_table_tensor.shape[1]).fill(step)
+            else:  # one split plan per step, shared by the layers
+                self._plan = decode_plan(self._plan, step, max_seqs=self.max_seqs, num_q_heads=self.num_q_heads,
+                                         num_kv_heads=self.num_kv_heads, head_dim=self.rt.model.head_dim,
+                                         block_size=self.block_size, rows16=self.rt.tiers.rows16,
+                                         device=self.device)
+                step.plan = self._plan if step.num_decodes else None
         if self.slots is not None and self.slots.degraded > self._warned:
             self._warned = self.slots.degraded
             logger.warning("OSCAR: %d sequence step(s) read without 16-bit windows (raise oscar.max_seqs)",
@@ -168,6 +185,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             dtype = self.rt.window_dtype
             self.pools = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.params = None
+        self.graphs: LayerGraphs | None = None
 
     def bind(self, layer: Any) -> None:
         """Load this layer's rotations and means for this rank's KV heads (once)."""
@@ -204,13 +222,20 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         if self.params is None:
             self.bind(layer)
         m = attn_metadata.step
-        T = m.num_tokens
+        T = m.graph_rows or m.num_tokens
         q, k, v = query[:T], key[:T], value[:T]
         if self.rt.quantized:
             fmt = self.rt.page_format(self.num_kv_heads, attn_metadata.block_size)
+            kv = carve(kv_cache, fmt)
             # written straight into vLLM's output buffer (one rounding of the float32 result, as a copy would)
-            quant_step(q, k, v, carve(kv_cache, fmt), self.pools, self.params, m,
-                       out=output[:T].view(T, self.num_heads, self.head_size))
+            out = output[:T].view(T, self.num_heads, self.head_size)
+            if m.graph_rows:
+                if self.graphs is None:
+                    self.graphs = LayerGraphs(self.rt.__dict__.setdefault("graph_inputs", SharedInputs()))
+                self.graphs.run(m, q, k, v, out, lambda qq, kk, vv, mm, oo: quant_step(
+                    qq, kk, vv, kv, self.pools, self.params, mm, out=oo))
+            else:
+                quant_step(q, k, v, kv, self.pools, self.params, m, out=out)
         else:
             kv16 = kv_cache.view(kv_cache.shape[0], 2, self.num_kv_heads, attn_metadata.block_size, self.head_size)
             out = dense_step(q, k, v, kv16, self.params, m)

@@ -96,6 +96,7 @@ class StepMeta:
     seq_lens: list[int] = field(default_factory=list)  # tokens after this step (16-bit mode only)
     max_qlen: int = 0  # longest 2-bit tier read by a decode row (sizes the decode plan's splits)
     plan: DecodePlan | None = None  # decode split geometry + workspace, planned once per step for every layer
+    graph_rows: int = 0  # > 0: a decode step padded for CUDA graphs (graphs.StaticDecode); its real rows
 
 
 def build_step(

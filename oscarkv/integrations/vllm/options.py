@@ -14,6 +14,9 @@ Keys (unknown keys are an error):
   ``quarot-int2``, ``int4-hadamard``, their ``-nocenter`` variants, or ``bf16`` (K/V kept in vLLM's own 16-bit
   pages through this backend: a diagnostic whose tokens must equal vLLM's built-in backend).
 * ``max_seqs`` (int): sequences that can hold 16-bit windows at once (default: vLLM's ``max_num_seqs``).
+* ``decode_graphs`` (bool, default true): on CUDA, replay each layer's decode-only attention step from a CUDA
+  graph captured per padded batch size (:mod:`.graphs`), so an eager vLLM step does not pay ~25 kernel launches
+  of host work per layer; false runs them eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ PINNED_VLLM = "0.26.0"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-_KEYS = ("calibration", "method", "max_seqs")
+_KEYS = ("calibration", "method", "max_seqs", "decode_graphs")
 
 
 class OscarVllmError(ValueError):
@@ -40,6 +43,7 @@ class OscarOptions:
     calibration: str | None = None
     method: str = "oscar"
     max_seqs: int | None = None
+    decode_graphs: bool = True
 
     @classmethod
     def from_additional_config(cls, additional: Mapping[str, Any] | None) -> "OscarOptions | None":
@@ -68,6 +72,8 @@ class OscarOptions:
         v = self.max_seqs
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise OscarVllmError(f"oscar.max_seqs must be an int >= 1, got {v!r}")
+        if not isinstance(self.decode_graphs, bool):
+            raise OscarVllmError(f"oscar.decode_graphs must be true or false, got {self.decode_graphs!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):
             raise OscarVllmError(f"oscar.calibration must be a folder path, got {self.calibration!r}")
         if m.quantized and not self.calibration:

@@ -48,8 +48,9 @@ def test_window_slots_recycle_least_recent_and_degrade():
 class Sim:
     """Sequences through vLLM-like steps (block tables, slot mapping), checked against a dense model."""
 
-    def __init__(self, tiers, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0, plan=False):
+    def __init__(self, tiers, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0, plan=False, static=False):
         self.use_plan, self.plan = plan, None  # plan: one DecodePlan re-planned per step, as the metadata builder
+        self.static = static  # static: decode-only steps padded into persistent buffers, as for CUDA graphs
         gen = torch.Generator().manual_seed(seed)
         self.gen, self.tiers, self.H, self.g, self.d, self.block = gen, tiers, H, g, d, block
         fmt = PageFormat(H, d, page_size=block)
@@ -91,8 +92,22 @@ class Sim:
                                     rows16=self.tiers.rows16, device=self.kv.device)
             m.plan = self.plan if m.num_decodes else None
         buf = None if out_dtype is None else torch.full((T, Hq, self.d), float("nan"), dtype=out_dtype)
-        got = quant_step(q, k, v, self.pages, self.pools, self.p, m, out=buf)  # buf: the backend's output buffer
-        assert buf is None or got is buf
+        if self.static is True:
+            from oscarkv.integrations.vllm.graphs import StaticDecode
+            from oscarkv.kernels.plan import DecodePlan
+
+            plan = DecodePlan(self.num_slots, Hq, self.H, self.d, self.block, 16, self.tiers.rows16)
+            self.static = StaticDecode(self.num_slots, 16, self.tiers.rows16, self.num_slots * self.tiers.rows16,
+                                       plan, torch.device("cpu"))
+        if self.static and m.num_decodes == len(batch):  # padded rows: garbage inputs that must write nothing
+            m = self.static.fill(m)
+            pad = m.num_tokens - T
+            got = quant_step(torch.cat([q, torch.randn(pad, Hq, self.d) * 9]), torch.cat([k, torch.randn(pad, self.H,
+                             self.d) * 9]), torch.cat([v, torch.randn(pad, self.H, self.d) * 9]), self.pages, self.pools,
+                             self.p, m)[:T]
+        else:
+            got = quant_step(q, k, v, self.pages, self.pools, self.p, m, out=buf)  # buf: the backend's output
+        assert buf is None or got is buf or self.static
         expected = torch.empty(got.shape, dtype=torch.float32)
         for r, (sid, t) in enumerate(batch):
             hk, hv = self.hist.setdefault(sid, ([], []))
@@ -220,3 +235,17 @@ def test_quant_step_writes_the_output_buffer():
         got, want = sim.step(batch, out_dtype=torch.bfloat16)
         assert got.dtype == torch.bfloat16 and not got.isnan().any()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_padded_decode_steps_equal_unpadded():
+    """Decode-only steps padded to a graph bucket (persistent buffers, inert padded rows with garbage inputs): the
+    real rows' outputs, and everything later steps read, are those of the unpadded steps."""
+    from oscarkv.integrations.vllm.graphs import bucket_for
+
+    assert [bucket_for(b, 48) for b in (1, 3, 5, 13, 33, 47, 48)] == [1, 4, 8, 16, 40, 48, 48]
+    sim = Sim(Tiering(sink=16, window=16, page=16), num_slots=6, static=True)
+    steps = [[("a", 40)], [("b", 23)], [("c", 3)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 20
+    steps += [[("a", 1), ("c", 1), ("b", 9)], [("a", 1), ("b", 1), ("c", 1)]]
+    for batch in steps:
+        got, expected = sim.step(batch)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)

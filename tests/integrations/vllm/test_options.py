@@ -35,6 +35,7 @@ def test_no_section_means_not_requested():
     ({}, "calibration is required"),
     ({"calibration": "/does/not/exist"}, "not a folder"),
     ({"method": "bf16", "max_seqs": 0}, "max_seqs"),
+    ({"method": "bf16", "decode_graphs": "yes"}, "decode_graphs must be true or false"),
     ("oscar", "JSON object"),
 ])
 def test_bad_sections_are_refused_with_what_to_do(section, match):
