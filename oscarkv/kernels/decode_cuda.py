@@ -54,23 +54,29 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 
 # Compile-time variants of the 2-bit loop (csrc/decode_int2.cu header): "subn" (codes as float16 subnormals, no
 # 1024 bias to remove), "lazy" (the softmax maximum raised only when exceeded by 2^3), "l2pf" (each warp
-# prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB). All three are the default:
-# on the H200 they took 128K x 64 from 2.08 to 1.71 ms (2.36 -> 2.87 TB/s), 128K x 8 from 0.308 to 0.249 ms and
-# 128K x 1 from 0.057 to 0.049 ms, every GPU test passing (docs/results/kernels_h200.md, session 13).
-# Second round (off by default, to be measured): "cpa" / "cpa3" (each warp streams its pages global -> shared
+# prefetches its next page into L2 with prefetch.global.L2; page strides below 4 GiB). On the H200 the three
+# took 128K x 64 from 2.08 to 1.71 ms (2.36 -> 2.87 TB/s), 128K x 8 from 0.308 to 0.249 ms and 128K x 1 from
+# 0.057 to 0.049 ms, every GPU test passing (docs/results/kernels_h200.md, session 13).
+# Second round: "cpa" / "cpa3" (each warp streams its pages global -> shared
 # memory with cp.async, 2 / 3 page stages, instead of the one-chunk register prefetch; page strides below 4 GiB,
 # code and metadata pages 16-byte aligned; dynamic shared memory, see `_smem_bytes`), "qk2" (two independent mma
 # chains for a chunk's QK product), "pdl" (the merge kernel is a programmatic dependent launch of the split
 # kernel). A value is a define, set to 1 when the name is picked, or (define, value).
 VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2), "cpa3": ("CPA_", 3),
             "qk2": "QK2_", "pdl": "PDL_"}
-DEFAULT_VARIANT = "subn+lazy+l2pf"
-VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # overrides the default of ``variant=None``; "none" = no variant
+# Defaults from the H200 sweeps (docs/results/kernels_h200.md, session 13): the cp.async pipeline wins from 2
+# sequences of 8 KV heads up (128K x 64: 1.446 vs 1.712 ms, 3.39 TB/s; 128K x 8: 0.224 vs 0.250), the register
+# prefetch + L2 prefetch for a single sequence's few (sequence, KV head) units (128K x 1: 0.0494 vs 0.0516 ms).
+DEFAULT_VARIANT = "subn+lazy+cpa"
+DEFAULT_VARIANT_FEW = "subn+lazy+l2pf"  # at most FEW_UNITS (sequence, KV head) pairs
+FEW_UNITS = 8
+VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # overrides the defaults of ``variant=None``; "none" = no variant
 
 
-def _resolve_variant(variant: str | None) -> str:
+def _resolve_variant(variant: str | None, units: int | None = None) -> str:
     if variant is None:
-        variant = os.environ.get(VARIANT_ENV, DEFAULT_VARIANT)
+        default = DEFAULT_VARIANT_FEW if units is not None and units <= FEW_UNITS else DEFAULT_VARIANT
+        variant = os.environ.get(VARIANT_ENV, default)
     return "" if variant == "none" else variant
 
 
@@ -278,12 +284,13 @@ def decode_attention_cuda(
     combines the partials through the plan's ticket counters: no second launch, but a serial tail).
     ``variant``: compile-time variants of the 2-bit loop (:data:`VARIANTS`, joined by ``+``, e.g.
     ``"subn+lazy"``; ``""`` or ``"none"`` = none); None: ``$OSCARKV_CUDA_DECODE_VARIANT`` if set, else
-    :data:`DEFAULT_VARIANT` (without "l2pf" / "cpa" for page strides of 4 GiB or more, where they cannot
-    address, and without "cpa" for pages not 16-byte aligned; an explicit ``variant`` raises there)."""
+    :data:`DEFAULT_VARIANT` (:data:`DEFAULT_VARIANT_FEW` for at most :data:`FEW_UNITS` (sequence, KV head)
+    pairs), without "l2pf" / "cpa" for page strides of 4 GiB or more, where they cannot
+    address, and without "cpa" for pages not 16-byte aligned (an explicit ``variant`` raises there)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     explicit = variant is not None
-    variant = _resolve_variant(variant)
+    variant = _resolve_variant(variant, q.shape[0] * k_pages.fmt.num_kv_heads)
     flags = _variant_flags(variant)
     big = max(k_pages.codes.stride(0), k_pages.scale.stride(0) * k_pages.scale.element_size()) >= 2**32
     drop = []

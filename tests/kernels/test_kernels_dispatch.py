@@ -109,8 +109,10 @@ def test_cuda_decode_variant_resolution(monkeypatch):
 
     monkeypatch.delenv(dc.VARIANT_ENV, raising=False)
     key = lambda v: dict(dc.config_key(128, 4, 64, torch.bfloat16, torch.bfloat16, torch.float16, 1, variant=v))  # noqa: E731
-    assert dc.DEFAULT_VARIANT == "subn+lazy+l2pf"
-    assert {k: key(None)[k] for k in ("SUBN_", "LAZY_", "L2PF_")} == {"SUBN_": 1, "LAZY_": 1, "L2PF_": 1}
+    assert dc.DEFAULT_VARIANT == "subn+lazy+cpa" and dc.DEFAULT_VARIANT_FEW == "subn+lazy+l2pf"
+    assert {k: key(None)[k] for k in ("SUBN_", "LAZY_", "L2PF_", "CPA_")} == {"SUBN_": 1, "LAZY_": 1, "L2PF_": 0,
+                                                                               "CPA_": 2}
+    assert dc._resolve_variant(None, 8) == "subn+lazy+l2pf" and dc._resolve_variant(None, 16) == "subn+lazy+cpa"
     assert key("none") == key("") and key("none")["SUBN_"] == 0 and key("lazy")["LAZY_"] == 1
     monkeypatch.setenv(dc.VARIANT_ENV, "subn")
     assert key(None) == key("subn") != key("subn+lazy+l2pf")
