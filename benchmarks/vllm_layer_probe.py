@@ -22,6 +22,7 @@ from oscarkv.integrations.vllm.core import LayerParams, build_step, carve, decod
 from oscarkv.integrations.vllm.options import Tiering
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
+from oscarkv.kernels.plan import DecodePlan
 
 
 def main() -> None:
@@ -72,8 +73,7 @@ def main() -> None:
     for _ in range(10):
         m = step_meta()
     res["build_step_ms"] = (time.perf_counter() - t0) * 100
-    plan = decode_plan(None, m, max_seqs=B, num_q_heads=a.hq, num_kv_heads=H, head_dim=d, block_size=blk,
-                       rows16=tiers.rows16, device=dev)
+    plan = decode_plan(None, m, lambda width: DecodePlan(B, a.hq, H, d, blk, width, tiers.rows16, device=dev))
     for name, use_plan in (("with_plan", True), ("without_plan", False)):
         m.plan = plan if use_plan else None
         for _ in range(2):  # warm-up (kernel builds)

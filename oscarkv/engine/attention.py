@@ -50,12 +50,12 @@ def _kernel_op(name: str):
     return getattr(dispatch, name, None) or getattr(ref, f"{name}_ref")
 
 
-
 def sdpa(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
     """``F.scaled_dot_product_attention`` on ``[H, T, d]`` tensors, given a batch dimension: torch's fused
     backends (FlashAttention, memory-efficient, cuDNN) take 4-D inputs only; 3-D ones fall back to the math
     backend, which materialises the ``[H, T, T]`` scores (61 GiB for one 32K chunk of 16 heads)."""
     return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
+
 
 class _Ctx:
     def __init__(self, pool: KVPool, sm_scale: float):

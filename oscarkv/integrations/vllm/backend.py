@@ -123,15 +123,18 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self._plan: DecodePlan | None = None
         self._static_decode: StaticDecode | None = None
 
+    def _new_plan(self, width: int) -> DecodePlan:
+        """A decode plan for this rank's heads, every sequence slot and block tables ``width`` pages wide."""
+        return DecodePlan(max_batch=self.max_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.rt.model.head_dim, page_size=self.block_size, max_pages=width,
+                          max_len16=self.rt.tiers.rows16, device=self.device)
+
     def _static(self, width: int) -> StaticDecode:
         """The persistent buffers of padded decode steps (built once, for the block table's width)."""
         if self._static_decode is None or self._static_decode.width < width:
-            tiers = self.rt.tiers
-            plan = DecodePlan(max_batch=self.max_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                              head_dim=self.rt.model.head_dim, page_size=self.block_size, max_pages=width,
-                              max_len16=tiers.rows16, device=self.device)
-            self._static_decode = StaticDecode(self.max_seqs, width, tiers.rows16, self.rt.num_slots * tiers.rows16,
-                                               plan, self.device)
+            rows16 = self.rt.tiers.rows16
+            self._static_decode = StaticDecode(self.max_seqs, width, rows16, self.rt.num_slots * rows16,
+                                               self._new_plan(width), self.device)
         return self._static_decode
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -149,10 +152,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
             if self.rt.opts.decode_graphs and step.num_decodes == B and B:  # decode only: padded for graphs
                 step = self._static(cam.block_table_tensor.shape[1]).fill(step)
             else:  # one split plan per step, shared by the layers
-                self._plan = decode_plan(self._plan, step, max_seqs=self.max_seqs, num_q_heads=self.num_q_heads,
-                                         num_kv_heads=self.num_kv_heads, head_dim=self.rt.model.head_dim,
-                                         block_size=self.block_size, rows16=self.rt.tiers.rows16,
-                                         device=self.device)
+                self._plan = decode_plan(self._plan, step, self._new_plan)
                 step.plan = self._plan if step.num_decodes else None
         if self.slots is not None and self.slots.degraded > self._warned:
             self._warned = self.slots.degraded
@@ -231,7 +231,8 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             out = output[:T].view(T, self.num_heads, self.head_size)
             if m.graph_rows:
                 if self.graphs is None:
-                    self.graphs = LayerGraphs(self.rt.__dict__.setdefault("graph_inputs", SharedInputs()))
+                    self.rt.graph_inputs = self.rt.graph_inputs or SharedInputs()
+                    self.graphs = LayerGraphs(self.rt.graph_inputs)
                 self.graphs.run(m, q, k, v, out, lambda qq, kk, vv, mm, oo: quant_step(
                     qq, kk, vv, kv, self.pools, self.params, mm, out=oo))
             else:

@@ -13,6 +13,7 @@ rotated back (``@ R_V^T``) and ``mu_V`` added.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from ...kernels.layout import PageFormat, QuantPages
 from ...kernels.plan import DecodePlan
+from ...kernels.reference import rotate_rows_ref
 from .options import Tiering
 from .windows import WindowSlots, step_indices
 
@@ -142,38 +144,21 @@ def build_step(
     )
 
 
-def decode_plan(plan: DecodePlan | None, m: StepMeta, *, max_seqs: int, num_q_heads: int, num_kv_heads: int,
-                head_dim: int, block_size: int, rows16: int, device: torch.device) -> DecodePlan | None:
+def decode_plan(plan: DecodePlan | None, m: StepMeta, new_plan: Callable[[int], DecodePlan]) -> DecodePlan | None:
     """The decode kernels' split plan for step ``m``: ``plan`` re-planned from two host integers (batch, longest
-    2-bit tier), or a new one when there is none or it was built for a narrower block table. Shared by every
-    layer of the step (one workspace, used layer after layer on one stream). None without decode rows."""
+    2-bit tier), or ``new_plan(width)`` when there is none or it was built for a narrower block table. Shared by
+    every layer of the step (one workspace, used layer after layer on one stream). ``plan`` without decode rows."""
     if not m.num_decodes:
         return plan
     width = m.bt2.shape[1]
     if plan is None or plan.max_pages < width:
-        plan = DecodePlan(max_batch=max_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, page_size=block_size, max_pages=width, max_len16=rows16, device=device)
+        plan = new_plan(width)
     return plan.update(m.num_decodes, m.max_qlen)
 
 
-def rotate_kv(x: Tensor, mu: Tensor, r: Tensor) -> Tensor:
-    """``(x - mu) @ R`` per KV head in float32: x ``[T, Hkv, d]``, mu ``[Hkv, d]``, r ``[Hkv, d, d]``."""
-    return torch.einsum("nhd,hde->nhe", x.to(torch.float32) - mu, r)
-
-
-def rotate_q(q: Tensor, r: Tensor) -> Tensor:
-    """``q @ R_K`` for query heads grouped by KV head: q ``[T, Hq, d]`` -> float32."""
-    T, Hq, d = q.shape
-    qg = q.to(torch.float32).view(T, r.shape[0], Hq // r.shape[0], d)
-    return torch.einsum("nhgd,hde->nhge", qg, r).reshape(T, Hq, d)
-
-
-def unrotate_out(o: Tensor, p: LayerParams) -> Tensor:
-    """``o @ R_V^T + mu_V`` for query heads grouped by KV head: o ``[T, Hq, d]`` (rotated V basis)."""
-    T, Hq, d = o.shape
-    H = p.r_v.shape[0]
-    og = o.to(torch.float32).view(T, H, Hq // H, d)
-    return (torch.einsum("nhge,hde->nhgd", og, p.r_v) + p.mu_v[None, :, None]).reshape(T, Hq, d)
+def unrotate_rows(o: Tensor, p: LayerParams) -> Tensor:
+    """``o @ R_V^T + mu_V`` per query head's KV head, float32 (the reference of the kernel path's last launch)."""
+    return rotate_rows_ref(o, p.r_v, p.mu_v, transpose=True, mean_after=True)
 
 
 def quant_step(
@@ -192,11 +177,10 @@ def quant_step(
     quantize_write, decode_attention, extend_attention, _ = ops()
     T, nd, act = m.num_tokens, m.num_decodes, q.dtype
     kp, vp = kv
-    qr = rotate_q(q, p.r_k).to(act)
-    kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)
+    qr = rotate_rows_ref(q, p.r_k).to(act)  # float32 products, as the kernel path's rotate_rows
+    kr, vr = rotate_rows_ref(k, p.r_k, p.mu_k), rotate_rows_ref(v, p.r_v, p.mu_v)
     k16new, v16new = kr.to(p.dtype16), vr.to(p.dtype16)
-    if pools is None or m.prefills:  # the chunk's (or a window-less decode's) own K/V, unrounded
-        kr, vr = kr.to(act), vr.to(act)
+    kr, vr = kr.to(act), vr.to(act)  # the chunk's (or a window-less decode's) own K/V, unrounded
     H, d = k.shape[1], k.shape[2]
     empty16 = q.new_zeros(1, H, 1, d)
     pre16 = {}
@@ -207,12 +191,9 @@ def quant_step(
                 pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None],
                               flat_v[m.gather[row]].permute(1, 0, 2)[None])
     quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
-    if pools is not None and m.ring_keep is not None:
+    if pools is not None:  # a step with prefill chunks: only the rows the ring keeps (build_step)
         flat_k.index_copy_(0, m.ring_dst, k16new[m.ring_keep])
         flat_v.index_copy_(0, m.ring_dst, v16new[m.ring_keep])
-    elif pools is not None:
-        flat_k.index_copy_(0, m.ring_rows, k16new)
-        flat_v.index_copy_(0, m.ring_rows, v16new)
     attn = torch.empty(T, q.shape[1], q.shape[2], dtype=act, device=q.device)
     if nd and pools is not None:  # the new token is read back from the ring
         k16 = flat_k[m.gather[:nd]].permute(0, 2, 1, 3)
@@ -230,7 +211,7 @@ def quant_step(
         k16, v16 = pre16.get(row, (empty16, empty16))
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
                          m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=attn[None, a:b])
-    res = unrotate_out(attn, p)
+    res = unrotate_rows(attn, p)
     return res if out is None else out.copy_(res)
 
 
@@ -273,8 +254,8 @@ def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m:
     rotations and centering, every token kept exactly. Returns ``[T, Hq, d]`` float32 (unrotated)."""
     _, _, extend_attention, _ = ops()
     B = kv16.shape[3]
-    qr = rotate_q(q, p.r_k)
-    kr, vr = rotate_kv(k, p.mu_k, p.r_k), rotate_kv(v, p.mu_v, p.r_v)
+    qr = rotate_rows_ref(q, p.r_k)
+    kr, vr = rotate_rows_ref(k, p.r_k, p.mu_k), rotate_rows_ref(v, p.r_v, p.mu_v)
     blk, off = m.slot_mapping // B, m.slot_mapping % B
     kv16[blk, 0, :, off] = kr.to(kv16.dtype)
     kv16[blk, 1, :, off] = vr.to(kv16.dtype)
@@ -292,7 +273,7 @@ def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m:
         out[a:b] = extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], dummy, dummy,
                                     m.block_table[row:row + 1, :1], zeros, k16, v16, len16, p.sm_scale,
                                     backend="reference")[0]
-    return unrotate_out(out, p)
+    return unrotate_rows(out, p)
 
 
 __all__ = ["page_bytes", "carve", "LayerParams", "StepMeta", "build_step", "quant_step", "dense_step", "ops",

@@ -28,6 +28,7 @@ class Runtime:
     tiers: Tiering
     num_slots: int
     window_dtype: torch.dtype  # the 16-bit tiers: the model's dtype if 16-bit, else bfloat16 (as oscarkv.hf)
+    graph_inputs: Any = None  # graphs.SharedInputs of this process's layers (created on the first decode graph)
 
     @property
     def quantized(self) -> bool:

@@ -10,6 +10,7 @@ from oscarkv.integrations.vllm.core import (LayerParams, build_step, carve, caus
 from oscarkv.integrations.vllm.options import Tiering
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
+from oscarkv.kernels.plan import DecodePlan
 from oscarkv.quant import fake_quantize
 from oscarkv.rotation import random_orthogonal
 
@@ -87,14 +88,12 @@ class Sim:
         m = build_step(self.tiers, self.slots, self.num_slots, np.array(qsl), np.array(seq), keys, bt,
                        torch.tensor(slot_map), self.block)
         if self.use_plan and self.pools is not None:
-            self.plan = decode_plan(self.plan, m, max_seqs=self.num_slots, num_q_heads=self.H * self.g,
-                                    num_kv_heads=self.H, head_dim=self.d, block_size=self.block,
-                                    rows16=self.tiers.rows16, device=self.kv.device)
+            self.plan = decode_plan(self.plan, m, lambda width: DecodePlan(
+                self.num_slots, self.H * self.g, self.H, self.d, self.block, width, self.tiers.rows16))
             m.plan = self.plan if m.num_decodes else None
         buf = None if out_dtype is None else torch.full((T, Hq, self.d), float("nan"), dtype=out_dtype)
         if self.static is True:
             from oscarkv.integrations.vllm.graphs import StaticDecode
-            from oscarkv.kernels.plan import DecodePlan
 
             plan = DecodePlan(self.num_slots, Hq, self.H, self.d, self.block, 16, self.tiers.rows16)
             self.static = StaticDecode(self.num_slots, 16, self.tiers.rows16, self.num_slots * self.tiers.rows16,
