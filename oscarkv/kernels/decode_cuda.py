@@ -61,9 +61,10 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 # memory with cp.async, 2 / 3 page stages, instead of the one-chunk register prefetch; page strides below 4 GiB,
 # code and metadata pages 16-byte aligned; dynamic shared memory, see `_smem_bytes`), "qk2" (two independent mma
 # chains for a chunk's QK product), "pdl" (the merge kernel is a programmatic dependent launch of the split
-# kernel). A value is a define, set to 1 when the name is picked, or (define, value).
+# kernel), "pdlw" (the split kernel waits for the kernel before it as a programmatic dependent: set by
+# ``pdl=True``, which also sets "pdl"). A value is a define, set to 1 when the name is picked, or (define, value).
 VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2), "cpa3": ("CPA_", 3),
-            "qk2": "QK2_", "pdl": "PDL_"}
+            "qk2": "QK2_", "pdl": "PDL_", "pdlw": "PDLW_"}
 # Defaults from the H200 sweeps (docs/results/kernels_h200.md, session 13): the cp.async pipeline wins from 2
 # sequences of 8 KV heads up (128K x 64: 1.446 vs 1.712 ms, 3.39 TB/s; 128K x 8: 0.224 vs 0.250), the register
 # prefetch + L2 prefetch for a single sequence's few (sequence, KV head) units (128K x 1: 0.0494 vs 0.0516 ms).
@@ -273,7 +274,7 @@ def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "kernel",
-    variant: str | None = None,
+    variant: str | None = None, pdl: bool = False,
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
@@ -286,11 +287,17 @@ def decode_attention_cuda(
     ``"subn+lazy"``; ``""`` or ``"none"`` = none); None: ``$OSCARKV_CUDA_DECODE_VARIANT`` if set, else
     :data:`DEFAULT_VARIANT` (:data:`DEFAULT_VARIANT_FEW` for at most :data:`FEW_UNITS` (sequence, KV head)
     pairs), without "l2pf" / "cpa" for page strides of 4 GiB or more, where they cannot
-    address, and without "cpa" for pages not 16-byte aligned (an explicit ``variant`` raises there)."""
+    address, and without "cpa" for pages not 16-byte aligned (an explicit ``variant`` raises there).
+    ``pdl``: launch the split kernel as a programmatic dependent of the previous kernel on the stream (it waits
+    for that kernel at its start, so its launch and prologue overlap that kernel's tail), the merge kernel as a
+    dependent of the split kernel, and let the next kernel start during the merge (variants "pdl" and "pdlw";
+    the next kernel must itself wait, griddepcontrol.wait / Triton's gdc_wait, before touching the output)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     explicit = variant is not None
     variant = _resolve_variant(variant, q.shape[0] * k_pages.fmt.num_kv_heads)
+    if pdl:
+        variant = "+".join(dict.fromkeys([*_variant_names(variant), "pdl", "pdlw"]))
     flags = _variant_flags(variant)
     big = max(k_pages.codes.stride(0), k_pages.scale.stride(0) * k_pages.scale.element_size()) >= 2**32
     drop = []
@@ -347,7 +354,8 @@ def decode_attention_cuda(
             continue
         key = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, part, variant=variant)
         split_fn, _ = _functions(key, dev)
-        _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream, smem=_smem_bytes(key))
+        _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream, smem=_smem_bytes(key),
+                pdl=bool(dict(key)["PDLW_"]))
     if merge == "fused":
         return out
     mkey = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0], variant=variant)

@@ -137,13 +137,14 @@ def demote(
 def decode_attention(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    plan: DecodePlan | None = None, out: Tensor | None = None, backend: str = "auto",
+    plan: DecodePlan | None = None, out: Tensor | None = None, backend: str = "auto", pdl: bool = False,
 ) -> Tensor:
     """One query per sequence (``q [B, Hq, d]``, rotated) over its 16-bit tiers (``k16/v16 [B, Hkv, C16, d]``,
     ``len16 [B]``) and 2-bit pages (``block_table [B, max_pages]``, ``qlen [B]``, int32). Returns
     ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths).
     Keys in channel pages and float32 16-bit tiers run on the Triton kernel ("auto" never picks the CUDA C++
-    kernel for them; ``backend="cuda"`` raises ``ValueError``)."""
+    kernel for them; ``backend="cuda"`` raises ``ValueError``). ``pdl``: the CUDA kernel's programmatic dependent
+    launch (:func:`oscarkv.kernels.decode_cuda.decode_attention_cuda`); ignored by the other paths."""
     which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt,
                   dtype16=k16.dtype, q_dtype=q.dtype)
     if which == "reference":
@@ -152,10 +153,14 @@ def decode_attention(
             return res.to(q.dtype)
         return out.copy_(res)
     if which == "cuda":
-        from .decode_cuda import decode_attention_cuda as fn
-    else:
-        from .decode_triton import decode_attention_triton as fn
-    return fn(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan, out=out)
+        from .decode_cuda import decode_attention_cuda
+
+        return decode_attention_cuda(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan,
+                                     out=out, pdl=pdl)
+    from .decode_triton import decode_attention_triton
+
+    return decode_attention_triton(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan,
+                                   out=out)
 
 
 def rotate_rows(

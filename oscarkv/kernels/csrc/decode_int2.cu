@@ -45,7 +45,11 @@
 //   PDL_ = 1: programmatic dependent launch of the merge kernel: each split CTA signals
 //     griddepcontrol.launch_dependents at its start, the merge kernel (launched by decode_cuda.py with the
 //     programmatic-stream-serialization attribute) waits in griddepcontrol.wait for the split grid to complete,
-//     so its launch and prologue overlap the split kernel's tail (no effect on the fused merge).
+//     so its launch and prologue overlap the split kernel's tail (no effect on the fused merge); the merge kernel
+//     in turn signals launch_dependents after its wait, so that a programmatic dependent after it (the engine's
+//     next kernel) can start its prologue during the merge.
+//   PDLW_ = 1: the split kernel is itself launched as a programmatic dependent of the kernel before it: it waits
+//     (griddepcontrol.wait) before its first global memory access, so its launch overlaps that kernel's tail.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -90,6 +94,9 @@
 #endif
 #ifndef QK2_
 #define QK2_ 0
+#endif
+#ifndef PDLW_
+#define PDLW_ 0
 #endif
 #ifndef PDL_
 #define PDL_ 0
@@ -931,6 +938,9 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
   __shared__ float sm_o[NW][8][D];
 #define SM_O(w, hh, d) sm_o[w][hh][d]
 #endif
+#if PDLW_  // launched as a programmatic dependent: the previous kernel's writes are visible after this
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 #if PDL_  // the merge kernel may be scheduled now: it waits (griddepcontrol.wait) for this grid to complete
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -1057,6 +1067,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) oscar_decode_merge(c
   const int S = (int)p.num_splits;
 #if PDL_  // launched as a programmatic dependent of the split kernel: its partials are complete after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // a programmatic dependent may start now
 #endif
   const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
   const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
