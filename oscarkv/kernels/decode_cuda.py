@@ -62,9 +62,11 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 # code and metadata pages 16-byte aligned; dynamic shared memory, see `_smem_bytes`), "qk2" (two independent mma
 # chains for a chunk's QK product), "pdl" (the merge kernel is a programmatic dependent launch of the split
 # kernel), "pdlw" (the split kernel waits for the kernel before it as a programmatic dependent: set by
-# ``pdl=True``, which also sets "pdl"). A value is a define, set to 1 when the name is picked, or (define, value).
+# ``pdl=True``, which also sets "pdl"), "occ5" (launch bounds for 5 resident CTAs per SM instead of 4 at
+# d <= 128: 96 registers, 20 warps per SM; a plan should then use 5 programs per SM). A value is a define, set to 1 when the name is picked, or (define, value).
 VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2), "cpa3": ("CPA_", 3),
-            "qk2": "QK2_", "pdl": "PDL_", "pdlw": "PDLW_"}
+            "qk2": "QK2_", "pdl": "PDL_", "pdlw": "PDLW_",
+            "occ5": ("OCC_", 5)}
 # Defaults from the H200 sweeps (docs/results/kernels_h200.md, session 13): the cp.async pipeline wins from 2
 # sequences of 8 KV heads up (128K x 64: 1.446 vs 1.712 ms, 3.39 TB/s; 128K x 8: 0.224 vs 0.250), the register
 # prefetch + L2 prefetch for a single sequence's few (sequence, KV head) units (128K x 1: 0.0494 vs 0.0516 ms).
@@ -322,8 +324,6 @@ def decode_attention_cuda(
         plan = DecodePlan(B, hq, fmt.num_kv_heads, d, fmt.page_size, block_table.shape[1], k16.shape[2],
                           device=q.device)
     _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
-    if plan.num_splits > 4096:
-        raise ValueError(f"{plan.num_splits} splits exceed the merge kernel's 4096: use fewer programs_per_sm")
     if fused is None:
         fused = B * fmt.num_kv_heads <= 64
     if q.stride(2) != 1:
@@ -362,7 +362,8 @@ def decode_attention_cuda(
     _, merge_fn = _functions(mkey, dev)
     mp = _MergeParams(o.data_ptr(), lse.data_ptr(), out.data_ptr(), o.stride(0), o.stride(1), o.stride(2),
                       lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), hq, plan.num_splits, _DT[out.dtype])
-    _launch(merge_fn, (B * hq, 1), 128, mp, stream, pdl=bool(dict(mkey)["PDL_"]))  # MERGE_THREADS in the .cu
+    # one CTA per (sequence, query head, 32 outputs), 256 threads: MERGE_SLICE / MERGE_THREADS in the .cu
+    _launch(merge_fn, (B * hq * (d // 32), 1), 256, mp, stream, pdl=bool(dict(mkey)["PDL_"]))
     return out
 
 

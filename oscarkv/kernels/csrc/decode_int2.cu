@@ -48,6 +48,9 @@
 //     so its launch and prologue overlap the split kernel's tail (no effect on the fused merge); the merge kernel
 //     in turn signals launch_dependents after its wait, so that a programmatic dependent after it (the engine's
 //     next kernel) can start its prologue during the merge.
+//   OCC_ = N: launch bounds for N resident CTAs per multiprocessor instead of MINB_ (N = 5 at d = 128: 96
+//     registers, 20 warps per SM instead of 16; the split kernel is latency-bound at small batch, ncu: 0.46
+//     issued instructions per cycle and scheduler with 3.6 warps each).
 //   PDLW_ = 1: the split kernel is itself launched as a programmatic dependent of the kernel before it: it waits
 //     (griddepcontrol.wait) before its first global memory access, so its launch overlaps that kernel's tail.
 #include <cuda_bf16.h>
@@ -94,6 +97,9 @@
 #endif
 #ifndef QK2_
 #define QK2_ 0
+#endif
+#ifndef OCC_
+#define OCC_ 0
 #endif
 #ifndef PDLW_
 #define PDLW_ 0
@@ -920,6 +926,10 @@ __device__ void merge_cta(const Params& p, int b, int h, int warp, int lane) {
 #ifndef MINB_
 #define MINB_ 1
 #endif
+#if OCC_  // variant "occ5": OCC_ CTAs per multiprocessor instead of MINB_ (fewer registers, more warps)
+#undef MINB_
+#define MINB_ OCC_
+#endif
 // PART_: 0 = both tiers in one kernel (split < num_qsplits: 2-bit), 1 = 2-bit splits only, 2 = 16-bit only
 // (blockIdx.x + num_qsplits is the split index), so each kernel gets the registers of its own path.
 #ifndef PART_
@@ -1037,84 +1047,81 @@ struct MergeParams {
   int64_t so_b, so_h, so_s, sl_b, sl_h, sout_b, sout_h, hq, num_splits, out_dtype;  // 0 f32, 1 f16, 2 bf16
 };
 
-constexpr int MERGE_MAX_SPLITS = 4096;
-
-__device__ __forceinline__ float block_reduce(float x, bool is_max, float* red) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[w] = x;
-  __syncthreads();
-  x = red[0];
-  for (int i = 1; i < nw; ++i) x = is_max ? fmaxf(x, red[i]) : x + red[i];
-  return x;
+__device__ __forceinline__ float4 f4_axpy(float4 acc, float w, float4 v) {
+  return make_float4(acc.x + w * v.x, acc.y + w * v.y, acc.z + w * v.z, acc.w + w * v.w);
 }
+__device__ __forceinline__ float4 f4_scale(float4 v, float a) { return make_float4(a * v.x, a * v.y, a * v.z, a * v.w); }
 
-constexpr int MERGE_THREADS = 128;
+// The merge is latency-bound (a few KB per query head, read once): what costs is the chain of dependent memory
+// round trips, so every thread issues the loads of all its splits (log-sum-exp and partial output) at once, then
+// combines them with an online log-sum-exp, and the lanes of a warp are combined with shuffles. One CTA per
+// (sequence, query head, 32-wide slice of d): warp g takes the float4 column g of the slice, lane l the splits
+// l, l + 32, ...; MERGE_INFLIGHT splits per lane are in flight together (one round trip for up to 128 splits).
+// (Before, session 13: one CTA per query head, weights through shared memory, then 4 loads in flight per thread
+// over 16 splits each: 11.2 us at 128K x 1 under ncu, a fifth of the decode.)
+constexpr int MERGE_THREADS = 256, MERGE_SLICE = 32, MERGE_INFLIGHT = 4;
+static_assert(MERGE_THREADS == 32 * (MERGE_SLICE / 4), "one warp per float4 column of a slice");
 
-// One CTA per (sequence, query head), MERGE_THREADS threads: out = sum_s 2^(lse_s - lse) o_s. The split weights
-// are computed in parallel into shared memory; then thread (g, sl) sums float4 column group g over the splits
-// sl, sl + NSL, ... (4 independent loads in flight), and the NSL split lanes are added through shared memory.
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) oscar_decode_merge(const MergeParams p) {
-  constexpr int G4 = D / 4, NSL = MERGE_THREADS / G4;
-  __shared__ float w[MERGE_MAX_SPLITS];
-  __shared__ float red[32];
-  __shared__ float4 part[MERGE_THREADS];
-  const int bh = blockIdx.x, b = bh / (int)p.hq, hq = bh % (int)p.hq, t = threadIdx.x;
+  constexpr int NSLICE = D / MERGE_SLICE;
+  const int slice = blockIdx.x % NSLICE, bhq = blockIdx.x / NSLICE;
+  const int b = bhq / (int)p.hq, hq = bhq % (int)p.hq, g = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int S = (int)p.num_splits;
 #if PDL_  // launched as a programmatic dependent of the split kernel: its partials are complete after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // a programmatic dependent may start now
 #endif
   const float* lse = reinterpret_cast<const float*>(p.lse_part) + b * p.sl_b + hq * p.sl_h;
-  const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h;
-  float mx = -INFINITY;
-  for (int s = t; s < S; s += MERGE_THREADS) {
-    w[s] = lse[s];
-    mx = fmaxf(mx, w[s]);
-  }
-  mx = block_reduce(mx, true, red);
-  float den = 0.f;
-  for (int s = t; s < S; s += MERGE_THREADS) {
-    const float f = (mx > -INFINITY && w[s] > -INFINITY) ? ex2(w[s] - mx) : 0.f;
-    w[s] = f;
-    den += f;
-  }
-  den = block_reduce(den, false, red);
-  __syncthreads();
-  const int g = t % G4, sl = t / G4;
-  float4 acc[4];
+  const float* o = reinterpret_cast<const float*>(p.o_part) + b * p.so_b + hq * p.so_h + slice * MERGE_SLICE + 4 * g;
+  float m = -INFINITY, den = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = lane; s0 < S; s0 += 32 * MERGE_INFLIGHT) {
+    float l[MERGE_INFLIGHT];
+    float4 v[MERGE_INFLIGHT];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = sl; s0 < S; s0 += 4 * NSL) {
+    for (int i = 0; i < MERGE_INFLIGHT; ++i) {  // all loads first: one round trip
+      const int s = s0 + 32 * i;
+      l[i] = s < S ? __ldcg(lse + s) : -INFINITY;
+      v[i] = s < S ? __ldcg(reinterpret_cast<const float4*>(o + (int64_t)s * p.so_s)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float mn = m;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int s = s0 + i * NSL;
-      if (s < S && w[s] != 0.f) {
-        const float4 v = reinterpret_cast<const float4*>(o + (int64_t)s * p.so_s)[g];
-        acc[i].x += w[s] * v.x; acc[i].y += w[s] * v.y; acc[i].z += w[s] * v.z; acc[i].w += w[s] * v.w;
+    for (int i = 0; i < MERGE_INFLIGHT; ++i) mn = fmaxf(mn, l[i]);
+    if (mn > -INFINITY) {  // else every split so far is empty: nothing to add
+      const float a = m > -INFINITY ? ex2(m - mn) : 0.f;
+      den *= a;
+      acc = f4_scale(acc, a);
+#pragma unroll
+      for (int i = 0; i < MERGE_INFLIGHT; ++i) {
+        const float w = l[i] > -INFINITY ? ex2(l[i] - mn) : 0.f;  // empty splits (lse -inf) weigh nothing
+        den += w;
+        acc = f4_axpy(acc, w, v[i]);
       }
+      m = mn;
     }
   }
-  part[t] = make_float4(acc[0].x + acc[1].x + acc[2].x + acc[3].x, acc[0].y + acc[1].y + acc[2].y + acc[3].y,
-                        acc[0].z + acc[1].z + acc[2].z + acc[3].z, acc[0].w + acc[1].w + acc[2].w + acc[3].w);
-  __syncthreads();
-  if (sl != 0) return;
-  float r[4] = {0.f, 0.f, 0.f, 0.f};
+  float mx = m;
 #pragma unroll
-  for (int k = 0; k < NSL; ++k) {
-    const float4 v = part[g + G4 * k];
-    r[0] += v.x; r[1] += v.y; r[2] += v.z; r[3] += v.w;
+  for (int k = 16; k > 0; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+  const float f = m > -INFINITY ? ex2(m - mx) : 0.f;
+  den *= f;
+  acc = f4_scale(acc, f);
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) {
+    den += __shfl_xor_sync(0xffffffffu, den, k);
+    acc.x += __shfl_xor_sync(0xffffffffu, acc.x, k);
+    acc.y += __shfl_xor_sync(0xffffffffu, acc.y, k);
+    acc.z += __shfl_xor_sync(0xffffffffu, acc.z, k);
+    acc.w += __shfl_xor_sync(0xffffffffu, acc.w, k);
   }
+  if (lane != 0) return;
   const float inv = den > 0.f ? 1.f / den : 0.f;
-  const int64_t off = b * p.sout_b + hq * p.sout_h + 4 * g;
+  const float r[4] = {acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv};
+  const int64_t off = b * p.sout_b + hq * p.sout_h + slice * MERGE_SLICE + 4 * g;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off + k] = r[k] * inv;
-    else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off + k] = __float2half_rn(r[k] * inv);
-    else reinterpret_cast<__nv_bfloat16*>(p.out)[off + k] = __float2bfloat16_rn(r[k] * inv);
+    if (p.out_dtype == 0) reinterpret_cast<float*>(p.out)[off + k] = r[k];
+    else if (p.out_dtype == 1) reinterpret_cast<__half*>(p.out)[off + k] = __float2half_rn(r[k]);
+    else reinterpret_cast<__nv_bfloat16*>(p.out)[off + k] = __float2bfloat16_rn(r[k]);
   }
 }
