@@ -48,9 +48,6 @@
 //     so its launch and prologue overlap the split kernel's tail (no effect on the fused merge); the merge kernel
 //     in turn signals launch_dependents after its wait, so that a programmatic dependent after it (the engine's
 //     next kernel) can start its prologue during the merge.
-//   OCC_ = N: launch bounds for N resident CTAs per multiprocessor instead of MINB_ (N = 5 at d = 128: 96
-//     registers, 20 warps per SM instead of 16; the split kernel is latency-bound at small batch, ncu: 0.46
-//     issued instructions per cycle and scheduler with 3.6 warps each).
 //   PDLW_ = 1: the split kernel is itself launched as a programmatic dependent of the kernel before it: it waits
 //     (griddepcontrol.wait) before its first global memory access, so its launch overlaps that kernel's tail.
 #include <cuda_bf16.h>
@@ -97,9 +94,6 @@
 #endif
 #ifndef QK2_
 #define QK2_ 0
-#endif
-#ifndef OCC_
-#define OCC_ 0
 #endif
 #ifndef PDLW_
 #define PDLW_ 0
@@ -925,10 +919,6 @@ __device__ void merge_cta(const Params& p, int b, int h, int warp, int lane) {
 
 #ifndef MINB_
 #define MINB_ 1
-#endif
-#if OCC_  // variant "occ5": OCC_ CTAs per multiprocessor instead of MINB_ (fewer registers, more warps)
-#undef MINB_
-#define MINB_ OCC_
 #endif
 // PART_: 0 = both tiers in one kernel (split < num_qsplits: 2-bit), 1 = 2-bit splits only, 2 = 16-bit only
 // (blockIdx.x + num_qsplits is the split index), so each kernel gets the registers of its own path.
