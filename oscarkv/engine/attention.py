@@ -8,6 +8,8 @@ has read the prefix as stored.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -17,18 +19,31 @@ from . import ops
 from .kv import Bf16Pool, KVPool, OscarPool
 
 
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _triton_decode():
-    """(decode function, plan class) of the kernels' graph-safe 2-bit decode, or None where unavailable."""
+    """(decode function, plan class) of the kernels' graph-safe 2-bit decode, or None where unavailable. The
+    function takes ``pdl=`` (the CUDA kernel's programmatic dependent launch; dropped on the other paths)."""
     try:
         from ..kernels import dispatch  # noqa: PLC0415
 
         if hasattr(dispatch, "decode_attention") and hasattr(dispatch, "DecodePlan"):
-            def fast(*a, **kw):
+            takes_pdl = _accepts(dispatch.decode_attention, "pdl")
+
+            def fast(*a, pdl: bool = False, **kw):
+                if pdl and takes_pdl:
+                    kw["pdl"] = True
                 try:
                     return dispatch.decode_attention(*a, **kw)
                 except ImportError:  # a dispatch path whose module is not installed: the Triton kernel
                     from ..kernels.decode_triton import decode_attention_triton  # noqa: PLC0415
 
+                    kw.pop("pdl", None)
                     return decode_attention_triton(*a, **kw)
             return fast, dispatch.DecodePlan
     except ImportError:
@@ -38,7 +53,7 @@ def _triton_decode():
         from ..kernels.plan import DecodePlan  # noqa: PLC0415
     except ImportError:
         return None
-    return decode_attention_triton, DecodePlan
+    return (lambda *a, pdl=False, **kw: decode_attention_triton(*a, **kw)), DecodePlan
 
 
 def _kernel_op(name: str):
@@ -89,11 +104,13 @@ class DecodeCtx(_Ctx):
         self.rows = torch.arange(bs, device=dev)
         self.block_table = pool.block_table[:bs]
         self._decode = _kernel_op("decode_attention") if self.oscar else None
+        self._decode_pdl = self.oscar and _accepts(self._decode, "pdl")  # may ``pdl=`` reach self._decode
         self._extend = _kernel_op("extend_attention") if self.oscar else None
         self.plan = None
         fast = _triton_decode() if self.oscar and dev.type == "cuda" else None
         if fast is not None:  # one plan per captured batch size: graph-safe split geometry and workspace
             self._decode, plan_cls = fast
+            self._decode_pdl = True
             m = pool.max_pages
             self.plan = plan_cls(bs, pool.n_q_heads, pool.H, pool.d, pool.cfg.page_size, m, pool.cfg.c16 + 1,
                                  device=dev).update(bs)
@@ -131,13 +148,16 @@ class DecodeCtx(_Ctx):
             buf = pool.buf[:, layer]
             buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
 
-    def attention(self, layer: int, q: Tensor, kv: Tensor | None) -> Tensor:
-        """``kv=None``: QK-prep has already stored the new token's K/V at ``kv_dest(layer)``."""
+    def attention(self, layer: int, q: Tensor, kv: Tensor | None, pdl: bool = False) -> Tensor:
+        """``kv=None``: QK-prep has already stored the new token's K/V at ``kv_dest(layer)``. ``pdl``: the decode
+        kernels as programmatic dependent launches (the BF16 paged decode's two Triton kernels; the CUDA 2-bit
+        kernel's ``pdl=True``: its split kernel waits at its start, its merge kernel lets the next one start)."""
         pool = self.pool
         if isinstance(pool, Bf16Pool):
             if kv is not None:
                 self.write_kv(layer, kv)
-            return ops.paged_decode(q, pool.kv[layer], self.block_table, self.lens, self.sm_scale, pool.max_len)
+            return ops.paged_decode(q, pool.kv[layer], self.block_table, self.lens, self.sm_scale, pool.max_len,
+                                    pdl=pdl)
         assert isinstance(pool, OscarPool)
         buf = pool.buf[:, layer]
         kp, vp = pool.pages[0][layer], pool.pages[1][layer]
@@ -149,6 +169,8 @@ class DecodeCtx(_Ctx):
         if kv is not None:
             self.write_kv(layer, kv)
         extra = {"plan": self.plan} if self.plan is not None else {}
+        if pdl and self._decode_pdl:
+            extra["pdl"] = True
         out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
                            sm_scale=self.sm_scale, **extra)
         return out if out.dtype == q.dtype else out.to(q.dtype)
@@ -174,7 +196,8 @@ class PrefillCtx(_Ctx):
             pages = pool.block_table[slot, pos // cfg.page_size].long()
             self.page_ids, self.page_rows = pages, pos % cfg.page_size
 
-    def attention(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+    def attention(self, layer: int, q: Tensor, kv: Tensor, pdl: bool = False) -> Tensor:
+        """``pdl`` is accepted for the decode context's signature and ignored (prefill runs eagerly)."""
         return self._oscar(layer, q, kv) if self.oscar else self._bf16(layer, q, kv)
 
     def _bf16(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:

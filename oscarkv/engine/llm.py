@@ -124,6 +124,10 @@ class LLM:
         gemv: "auto" (default: single-sequence decode steps on CUDA run the fused Triton GEMV, larger ones
             cuBLAS, as measured fastest), "cublas", or "triton" (decode steps of up to 8 sequences run the fused
             Triton GEMV: norms, SiLU gate, bias and residual adds inside the projections; docs/engine.md).
+        pdl: programmatic dependent launch of the decode step's kernels on CUDA sm_90+ (each kernel may start
+            while the previous one drains; a GEMV loads its first weight tile before waiting for its input;
+            inside the captured CUDA graphs these are programmatic edges). ``None`` (default): ``$OSCARKV_PDL``
+            ("1" / "0"), off when unset. A no-op on CPU. See :meth:`Transformer.set_pdl`.
     """
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None, kv: str = "oscar",
@@ -131,13 +135,14 @@ class LLM:
                  max_model_len: int | None = None, prefill_chunk: int = 2048, dtype: torch.dtype | None = None,
                  device: str | None = None, cuda_graphs: bool = True, monitor_every: int = 4,
                  eos_token_ids: Seq[int] | None = None, window_dtype: torch.dtype | None = None,
-                 method: str | None = None, gemv: str = "auto"):
+                 method: str | None = None, gemv: str = "auto", pdl: bool | None = None):
         if kv not in ("oscar", "bf16"):
             raise ValueError(f"kv must be 'oscar' or 'bf16', got {kv!r}")
         if gemv not in GEMV_BACKENDS:
             raise ValueError(f"gemv must be one of {list(GEMV_BACKENDS)}, got {gemv!r}")
         net, tok, eos = _load_model(model, dtype, device)
         net.set_gemv(gemv)
+        net.set_pdl(pdl)
         self.model, self.tokenizer = net, tokenizer or tok
         cfg = net.cfg
         max_len = max_model_len or cfg.max_position  # may exceed the trained length (benchmarks, RoPE scaling)

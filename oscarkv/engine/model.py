@@ -10,6 +10,7 @@ Attention itself is delegated to a KV pool (:mod:`oscarkv.engine.kv`) through ``
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -95,19 +96,20 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps), RMSNorm(cfg.head_dim, cfg.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
-        return self.o_proj(self.core(self.qkv(x), cos, sin, ctx))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
+        return self.o_proj(self.core(self.qkv(x), cos, sin, ctx, pdl))
 
-    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
-        """From the fused QKV projection to the attention output ``[N, Hq * d]`` (before ``o_proj``)."""
+    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
+        """From the fused QKV projection to the attention output ``[N, Hq * d]`` (before ``o_proj``). ``pdl``:
+        QK-prep and the decode attention as programmatic dependent launches (a decode step's chain)."""
         c = self.cfg
         r_k, mu_k = ctx.rotation(self.layer)
         qn = self.q_norm.weight if c.qk_norm else None
         kn = self.k_norm.weight if c.qk_norm else None
         q, kv = ops.qk_prep(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, qn, kn, c.rms_eps, r_k, mu_k,
-                            ctx.kv_dest(self.layer))
-        o = ctx.attention(self.layer, q, kv)  # [N, Hq, d] in the (rotated) value basis
-        return o.reshape(qkv.shape[0], -1)
+                            ctx.kv_dest(self.layer), pdl=pdl)
+        o = ctx.attention(self.layer, q, kv, pdl=pdl) if pdl else ctx.attention(self.layer, q, kv)
+        return o.reshape(qkv.shape[0], -1)  # [N, Hq, d] in the (rotated) value basis
 
 
 class Block(nn.Module):
@@ -119,22 +121,27 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, ctx: Any) -> tuple[Tensor, Tensor]:
-        """Pre-norm block with the residual add fused into the norms: returns (mlp output, residual)."""
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, ctx: Any,
+                pdl: bool = False) -> tuple[Tensor, Tensor]:
+        """Pre-norm block with the residual add fused into the norms: returns (mlp output, residual). ``pdl``:
+        our kernels as programmatic dependents (the cuBLAS projections between them are ordinary launches)."""
         eps = self.input_norm.eps
-        h, residual = ops.rmsnorm(x, self.input_norm.weight, eps, residual)
-        h, residual = ops.rmsnorm(self.attn(h, cos, sin, ctx), self.post_norm.weight, eps, residual)
-        return self.down(ops.silu_mul(self.gate_up(h))), residual
+        h, residual = ops.rmsnorm(x, self.input_norm.weight, eps, residual, pdl=pdl)
+        h, residual = ops.rmsnorm(self.attn(h, cos, sin, ctx, pdl), self.post_norm.weight, eps, residual, pdl=pdl)
+        return self.down(ops.silu_mul(self.gate_up(h), pdl=pdl)), residual
 
-    def forward_gemv(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any) -> Tensor:
+    def forward_gemv(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
         """The same block for a few decode rows with the fused GEMV (``ops.gemv``): the norms and the SiLU gate
         run in the next projection's prologue, the residual adds in the previous one's epilogue. ``x`` is the
-        residual stream (input + all earlier outputs); returns the stream after this block."""
+        residual stream (input + all earlier outputs); returns the stream after this block. ``pdl``: all seven
+        kernels (four GEMVs, QK-prep, the attention's two) are programmatic dependent launches: each may start
+        while the one before drains, and a GEMV loads its first weight tile before waiting for its input."""
         eps, a = self.input_norm.eps, self.attn
-        o = a.core(ops.gemv(x, a.qkv.weight, a.qkv.bias, norm=self.input_norm.weight, eps=eps), cos, sin, ctx)
-        x = ops.gemv(o, a.o_proj.weight, a.o_proj.bias, residual=x)
-        gu = ops.gemv(x, self.gate_up.weight, norm=self.post_norm.weight, eps=eps)
-        return ops.gemv(gu, self.down.weight, act="silu", residual=x)
+        qkv = ops.gemv(x, a.qkv.weight, a.qkv.bias, norm=self.input_norm.weight, eps=eps, pdl=pdl)
+        o = a.core(qkv, cos, sin, ctx, pdl)
+        x = ops.gemv(o, a.o_proj.weight, a.o_proj.bias, residual=x, pdl=pdl)
+        gu = ops.gemv(x, self.gate_up.weight, norm=self.post_norm.weight, eps=eps, pdl=pdl)
+        return ops.gemv(gu, self.down.weight, act="silu", residual=x, pdl=pdl)
 
 
 GEMV_BACKENDS = ("auto", "cublas", "triton")
@@ -142,6 +149,17 @@ GEMV_BACKENDS = ("auto", "cublas", "triton")
 # at M = 1 it beats cuBLAS plus separate norm ops (8B step 5.09 vs 5.52 ms of GEMV, 4B 3.38 vs 3.46), at M = 4
 # and 8 it loses (8B 5.56 vs 5.26 ms), so larger batches keep cuBLAS.
 GEMV_AUTO_MAX_M = 1
+PDL_ENV = "OSCARKV_PDL"  # "1" / "0": the default of LLM(pdl=None) (and of Transformer.pdl at construction)
+
+
+def pdl_default() -> bool:
+    """``$OSCARKV_PDL`` as a bool (off when unset: on by default only once the GPU has confirmed it)."""
+    v = os.environ.get(PDL_ENV, "0").strip().lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("", "0", "false", "off", "no"):
+        return False
+    raise ValueError(f"${PDL_ENV} must be 0 or 1, got {v!r}")
 
 
 class Transformer(nn.Module):
@@ -149,9 +167,14 @@ class Transformer(nn.Module):
 
     ``gemv``: "cublas" (``nn.Linear`` everywhere), "triton" (decode steps of up to ``triton_ops.GEMV_MAX_M``
     rows on CUDA run the fused Triton GEMV, :meth:`Block.forward_gemv`) or "auto" (the default: the Triton GEMV
-    for ``GEMV_AUTO_MAX_M`` rows, where it measured faster); prefill and larger batches keep ``nn.Linear``."""
+    for ``GEMV_AUTO_MAX_M`` rows, where it measured faster); prefill and larger batches keep ``nn.Linear``.
 
-    def __init__(self, cfg: ModelConfig, gemv: str = "auto"):
+    ``pdl`` (``set_pdl``; default ``$OSCARKV_PDL``, off): decode steps on CUDA sm_90+ launch our Triton kernels
+    (and the CUDA decode attention) as programmatic dependents, and compute the embedding and RoPE tables in one
+    kernel of ours (``ops.embed_rope``) and the logits as float32 in the lm_head GEMV, so that a single-row
+    step on the fused GEMV is one chain of PDL kernels. A no-op on CPU and under the Triton interpreter."""
+
+    def __init__(self, cfg: ModelConfig, gemv: str = "auto", pdl: bool | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -163,6 +186,7 @@ class Transformer(nn.Module):
         d = cfg.head_dim
         self.set_rope(1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
         self.set_gemv(gemv)
+        self.set_pdl(pdl)
 
     def set_rope(self, inv_freq: Tensor, scaling: float = 1.0) -> None:
         """RoPE frequencies ``[d/2]`` (float32) and attention scaling."""
@@ -176,6 +200,11 @@ class Transformer(nn.Module):
             raise ValueError(f"gemv must be one of {list(GEMV_BACKENDS)}, got {gemv!r}")
         self.gemv = gemv
 
+    def set_pdl(self, pdl: bool | None) -> None:
+        """Programmatic dependent launch of the decode step's kernels (set before a CUDA graph is captured);
+        ``None``: ``$OSCARKV_PDL``."""
+        self.pdl = pdl_default() if pdl is None else bool(pdl)
+
     def _use_gemv(self, x: Tensor) -> bool:
         if self.gemv == "cublas" or not ops.use_triton(x):
             return False
@@ -183,23 +212,30 @@ class Transformer(nn.Module):
 
         return x.shape[0] <= (GEMV_MAX_M if self.gemv == "triton" else GEMV_AUTO_MAX_M)
 
+    def step_pdl(self, x: Tensor, last: Tensor | None = None) -> bool:
+        """Whether a forward on ``x``'s device runs its kernels as programmatic dependents: ``pdl`` set, a decode
+        step (``last is None``) and a device where it exists (:func:`ops.pdl_available`)."""
+        return self.pdl and last is None and ops.pdl_available(x)
+
     def forward(self, tokens: Tensor, positions: Tensor, ctx: Any, last: Tensor | None = None) -> Tensor:
-        x = self.embed(tokens)
-        emb = positions[:, None] * self.inv_freq2.float()  # one launch: cat((f, f)) of positions.float() * inv_freq
-        cos, sin = emb.cos(), emb.sin()
-        if self.rope_scaling != 1.0:
-            cos, sin = cos * self.rope_scaling, sin * self.rope_scaling
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        w = self.embed.weight
+        pdl = self.step_pdl(w, last)
+        if pdl:  # one kernel of ours instead of six torch ops: the step's chain of PDL kernels starts here
+            x, cos, sin = ops.embed_rope(tokens, positions, w, self.inv_freq2, self.rope_scaling, pdl=True)
+        else:
+            x, cos, sin = ops.embed_rope_torch(tokens, positions, w, self.inv_freq2, self.rope_scaling)
         if last is None and self._use_gemv(x):
             for block in self.layers:
-                x = block.forward_gemv(x, cos, sin, ctx)
-            return ops.gemv(x, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.eps).float()
+                x = block.forward_gemv(x, cos, sin, ctx, pdl)
+            logits = ops.gemv(x, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.eps,
+                              out_dtype=torch.float32 if pdl else None, pdl=pdl)
+            return logits.float()
         residual = None
         for block in self.layers:
-            x, residual = block(x, residual, cos, sin, ctx)
+            x, residual = block(x, residual, cos, sin, ctx, pdl)
         if last is not None:
             x, residual = x[last], residual[last]
-        return self.lm_head(ops.rmsnorm(x, self.norm.weight, self.norm.eps, residual)[0]).float()
+        return self.lm_head(ops.rmsnorm(x, self.norm.weight, self.norm.eps, residual, pdl=pdl)[0]).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding table is only indexed, unless tied)."""
@@ -346,4 +382,4 @@ def config_dict(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["ModelConfig", "Transformer", "PRESETS", "from_hf", "from_folder", "from_state_dict", "random_model",
-           "fold_value_rotation"]
+           "fold_value_rotation", "pdl_default", "PDL_ENV"]

@@ -21,6 +21,17 @@ def use_triton(x: Tensor) -> bool:
     return (x.is_cuda or _FORCE_TRITON) and not _FORCE_TORCH
 
 
+def pdl_available(x: Tensor) -> bool:
+    """Whether the Triton kernels on ``x``'s device run as programmatic dependent launches when asked
+    (``pdl=True`` of the ops below): CUDA sm_90+ with a Triton that has grid dependency control. Elsewhere
+    (CPU, the interpreter) ``pdl`` is a no-op."""
+    if not use_triton(x):
+        return False
+    from . import triton_ops
+
+    return triton_ops.pdl_available(x)
+
+
 class KVDest(NamedTuple):
     """Where a decode step's new K/V rows go in a pool: element ``i`` of head ``h`` of token ``t`` of side
     ``which`` (0 = K, 1 = V) is ``dst``'s element at offset ``which * s_which + off[t] + h * s_head + i``
@@ -84,71 +95,98 @@ def paged_decode_torch(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor,
 
 
 def gemv_torch(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None,
-               norm: Tensor | None = None, eps: float = 1e-6, act: str | None = None) -> Tensor:
+               norm: Tensor | None = None, eps: float = 1e-6, act: str | None = None,
+               out_dtype: torch.dtype | None = None) -> Tensor:
     """Specification of the fused decode GEMV: ``linear(pro(x), w, b)``, rounded to x's dtype, then
-    ``+ residual``. ``pro``: ``rmsnorm_torch(x, norm)`` with ``norm``, ``silu(x[:, :K]) * x[:, K:]`` with
-    ``act="silu"``, else identity (the unfused ops of a block, in the same order)."""
+    ``+ residual`` (then converted to ``out_dtype`` if given). ``pro``: ``rmsnorm_torch(x, norm)`` with
+    ``norm``, ``silu(x[:, :K]) * x[:, K:]`` with ``act="silu"``, else identity (the unfused ops of a block, in
+    the same order)."""
     if norm is not None:
         x = rmsnorm_torch(x, norm, eps)
     elif act == "silu":
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     y = F.linear(x, w, b)
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def embed_rope_torch(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Tensor,
+                     scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's embedding rows and RoPE ``cos/sin [N, d]`` (``inv_freq2``: both halves of the frequencies)."""
+    x = F.embedding(tokens, emb)
+    e = positions[:, None] * inv_freq2.float()  # one launch: cat((f, f)) of positions.float() * inv_freq
+    cos, sin = e.cos(), e.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return x, cos.to(x.dtype), sin.to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------- dispatchers
-def rmsnorm(x: Tensor, w: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(rmsnorm(x + residual), x + residual)``; with ``residual=None`` the second output is ``x``."""
+def rmsnorm(x: Tensor, w: Tensor, eps: float, residual: Tensor | None = None,
+            pdl: bool = False) -> tuple[Tensor, Tensor]:
+    """``(rmsnorm(x + residual), x + residual)``; with ``residual=None`` the second output is ``x``. ``pdl``
+    here and below: the Triton kernels as programmatic dependent launches where available (``pdl_available``)."""
     if use_triton(x):
         from . import triton_ops
 
-        return triton_ops.rmsnorm(x, w, eps, residual)
+        return triton_ops.rmsnorm(x, w, eps, residual, pdl=pdl)
     h = x if residual is None else x + residual
     return rmsnorm_torch(h, w, eps), h
 
 
-def silu_mul(gu: Tensor) -> Tensor:
+def silu_mul(gu: Tensor, pdl: bool = False) -> Tensor:
     """``silu(gate) * up`` for ``gu = [gate | up]`` ``[N, 2I]``."""
     if use_triton(gu):
         from . import triton_ops
 
-        return triton_ops.silu_mul(gu)
+        return triton_ops.silu_mul(gu, pdl=pdl)
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def qk_prep(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None, kn: Tensor | None,
             eps: float, r_k: Tensor | None = None, mu_k: Tensor | None = None,
-            out: KVDest | None = None) -> tuple[Tensor, Tensor | None]:
+            out: KVDest | None = None, pdl: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(q, kv)``; with ``out`` the Triton kernel stores k/v into the pool itself and returns ``kv=None``
     (the PyTorch path ignores ``out`` and returns kv for the caller's reference write)."""
     if use_triton(qkv):
         from . import triton_ops
 
-        return triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k, out)
+        return triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k, out, pdl=pdl)
     return qk_prep_torch(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k, mu_k)
 
 
 def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None, norm: Tensor | None = None,
-         eps: float = 1e-6, act: str | None = None) -> Tensor:
+         eps: float = 1e-6, act: str | None = None, out_dtype: torch.dtype | None = None,
+         pdl: bool = False) -> Tensor:
     """The fused decode GEMV (:func:`gemv_torch`): Triton on CUDA, the specification elsewhere."""
     if use_triton(x):
         from . import triton_ops
 
-        return triton_ops.gemv(x, w, b, residual, norm, eps, act)
-    return gemv_torch(x, w, b, residual, norm, eps, act)
+        return triton_ops.gemv(x, w, b, residual, norm, eps, act, out_dtype=out_dtype, pdl=pdl)
+    return gemv_torch(x, w, b, residual, norm, eps, act, out_dtype)
+
+
+def embed_rope(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Tensor, scaling: float = 1.0,
+               pdl: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`embed_rope_torch` in one Triton launch on CUDA (libdevice cosf/sinf, as torch's kernels)."""
+    if use_triton(emb):
+        from . import triton_ops
+
+        return triton_ops.embed_rope(tokens, positions, emb, inv_freq2, scaling, pdl=pdl)
+    return embed_rope_torch(tokens, positions, emb, inv_freq2, scaling)
 
 
 def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_scale: float,
-                 max_len: int | None = None) -> Tensor:
+                 max_len: int | None = None, pdl: bool = False) -> Tensor:
     """Graph-safe on CUDA (fixed grid sized from ``max_len``); a per-sequence loop on CPU."""
     if use_triton(q):
         from . import triton_ops
 
-        return triton_ops.paged_decode(q, kv, block_table, lens, sm_scale, max_len)
+        return triton_ops.paged_decode(q, kv, block_table, lens, sm_scale, max_len, pdl=pdl)
     return paged_decode_torch(q, kv, block_table, lens, sm_scale)
 
 
-__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "gemv", "KVDest", "rmsnorm_torch", "rope_torch",
-           "qk_prep_torch", "paged_decode_torch", "gemv_torch"]
+__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "gemv", "embed_rope", "KVDest", "pdl_available",
+           "rmsnorm_torch", "rope_torch", "qk_prep_torch", "paged_decode_torch", "gemv_torch", "embed_rope_torch"]

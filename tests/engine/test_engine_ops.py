@@ -83,7 +83,9 @@ import torch
 from oscarkv.engine import ops, triton_ops
 from oscarkv.engine.triton_ops import GemvConfig
 torch.manual_seed(0)
-cfgs = [GemvConfig("fma", 8, 32, 4, 1), GemvConfig("fma", 4, 64, 4, 2), GemvConfig("dot", 16, 32, 4, 2)]
+cfgs = [GemvConfig("fma", 8, 32, 4, 1), GemvConfig("fma", 4, 64, 4, 2), GemvConfig("dot", 16, 32, 4, 2),
+        GemvConfig("fma", 8, 16, 4, 1, split_k=3), GemvConfig("fma", 16, 32, 4, 1, split_k=2),
+        GemvConfig("dot", 16, 16, 4, 2, split_k=4)]  # split-K: ragged slices (K=72: 5 tiles of 16 in 3)
 for dt, M, N, K in ((torch.float32, 1, 48, 64), (torch.float32, 3, 40, 72), (torch.float32, 8, 48, 64),
                     (torch.float16, 2, 40, 72)):  # even and ragged tiles
     w = (torch.randn(N, K) / K ** 0.5).to(dt)
@@ -96,6 +98,10 @@ for dt, M, N, K in ((torch.float32, 1, 48, 64), (torch.float32, 3, 40, 72), (tor
             ref = ops.gemv_torch(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
             tol = 1e-5 if dt == torch.float32 else 2e-2
             torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{dt} {M}x{N}x{K} {cfg} {list(kw)}: {m}")
+            # again (split-K: the tickets were reset), and as float32 output (the same rounded values)
+            again = triton_ops.gemv(xin, w, config=cfg, out_dtype=torch.float32, **kw)
+            assert again.dtype == torch.float32 and torch.equal(again, got.float()), (dt, M, N, K, cfg, list(kw))
+assert all(not c.any() for k, c in triton_ops._SPLIT_WORK.items() if c.dtype == torch.int32)  # tickets back to 0
 for bad in (dict(act="gelu"), dict(norm=torch.ones(64), act="silu")):
     try:
         triton_ops.gemv(torch.randn(1, 64), torch.randn(8, 64), **bad)
