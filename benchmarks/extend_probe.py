@@ -1,18 +1,24 @@
-"""Extend/prefill probe: every variant of the Triton extend kernel at the benchmark shape, checked, then timed.
+"""Extend/prefill probe: variants of the Triton extend kernel at the benchmark shape, checked, then timed, next to
+the plain Triton flash attention over a bfloat16 prefix (the same work without quantization: Triton's ceiling
+at this geometry) and to BF16 SDPA (the default backend, and cuDNN / flash / efficient forced).
 
-One sequence, a 2048-token chunk over a 32K quantized prefix (32,448 2-bit tokens + 320 in the 16-bit tiers),
-Qwen3-8B attention shapes (32 query / 8 KV heads, d = 128, page 64), bfloat16 activations. For each variant
-(launcher keywords of ``extend_attention_triton``):
+One sequence, a 2048-token chunk over a 32K prefix (32,448 2-bit tokens + 320 in the 16-bit tiers), Qwen3-8B
+attention shapes (32 query / 8 KV heads, d = 128, page 64), bfloat16 activations. Row kinds:
 
-1. correctness against a float64 reference over the dequantized cache (chunked over query rows, checked
-   against ``reference.extend_attention_ref`` at a small shape first): bfloat16 inputs with the benchmark's
-   queries and with queries x16 (sharp softmax, the running max keeps moving), budget 1e-2; float16 inputs,
-   budget 2e-3;
-2. time (``bench_kernels.timeit``: CUDA graph, cold L2, median), also with the x16 queries,
+* ``quant``: ``extend_attention_triton`` with the row's launcher keywords (fused: the page tiles dequantized in
+  registers; ``fold="workspace"``: a dequantization pass into a float16 workspace, then flash attention on it);
+* ``dequant``: the workspace's first pass alone (``dequant_workspace``); ``ws-attn``: its second pass alone
+  (``extend_attention_dense`` over the float16 workspace);
+* ``dense``: ``extend_attention_dense`` over a bfloat16 prefix of the same length (no quantization).
 
-next to BF16 SDPA (cuDNN and flash) over the same 34,816 keys (non-causal, as ``bench_kernels.bench_extend``:
-slightly more work than ours). Issue target: within 1.5x of cuDNN. Also keys in channel pages (default and
-``fold="factor"``). Prints a table; ``--out`` writes JSON and a markdown table next to it.
+Each is checked against a float64 reference (chunked over query rows; over the dequantized cache, or over the
+bfloat16 prefix for ``dense``): bfloat16 inputs with the benchmark's queries and with queries x16 (sharp softmax,
+the running max keeps moving), budget 1e-2; float16 inputs for a few, budget 2e-3. Then timed
+(``bench_kernels.timeit``: CUDA graph, cold L2, median). SDPA runs over the same 34,816 keys, non-causal (as
+``bench_kernels.bench_extend``: slightly more work than ours); the default backend is what torch picks without
+an ``sdpa_kernel`` context, read from the CUDA kernel names of one profiled call. Issue target: within 1.5x of
+BF16 SDPA. Keys in channel pages for two rows. Prints a table; ``--out`` writes JSON (after every row) and a
+markdown table next to it.
 
     PYTHONPATH=. python benchmarks/extend_probe.py --out $OUT/extend_probe.json
 """
@@ -34,46 +40,48 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_kernels import D, HKV, HQ, W16, make_cache, provenance, timeit  # noqa: E402
 
+from oscarkv.kernels.extend_dense import dequant_workspace, extend_attention_dense  # noqa: E402
 from oscarkv.kernels.extend_triton import extend_attention_triton  # noqa: E402
 from oscarkv.kernels.reference import extend_attention_ref, gather_dequant_ref  # noqa: E402
 
 BUDGET = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 SHARP = 16.0  # query multiplier for the sharp-softmax check
 
-# (name, launcher keywords); "default" is whatever the launcher defaults are
+_WS = dict(fold="workspace", block_m=128, block_n=64, num_warps=8, num_stages=3)
+# (name, kind, keywords); "default" is whatever the launcher defaults are
 VARIANTS = [
-    ("default", {}),
-    ("dq-cat-m64w4-s2", dict(fold="dequant", unpack="cat", block_m=64, num_warps=4, num_stages=2)),
-    ("dq-cat-m64w4-s3", dict(fold="dequant", unpack="cat", block_m=64, num_warps=4, num_stages=3)),
-    ("dq-cat-m64w4-s4", dict(fold="dequant", unpack="cat", block_m=64, num_warps=4, num_stages=4)),
-    ("dq-cat-m128w8-s2", dict(fold="dequant", unpack="cat", block_m=128, num_warps=8, num_stages=2)),
-    ("dq-cat-m128w8-s3", dict(fold="dequant", unpack="cat", block_m=128, num_warps=8, num_stages=3)),
-    ("dq-cat-lazy-m64w4", dict(fold="dequant", unpack="cat", rescale="lazy", block_m=64, num_warps=4)),
-    ("dq-cat-lazy-m128w8", dict(fold="dequant", unpack="cat", rescale="lazy", block_m=128, num_warps=8)),
-    ("dq-vcat-m64w4", dict(fold="dequant", unpack="vcat", block_m=64, num_warps=4)),
-    ("dq-fields-m64w4", dict(fold="dequant", unpack="fields", block_m=64, num_warps=4)),
-    ("dq-fields-m128w8", dict(fold="dequant", unpack="fields", block_m=128, num_warps=8)),
-    ("factor-cat-m64w4", dict(fold="factor", unpack="cat", block_m=64, num_warps=4)),
-    ("factor-cat-m128w8", dict(fold="factor", unpack="cat", block_m=128, num_warps=8)),
-    ("factor-fields-f32-m128w8", dict(fold="factor", unpack="fields", pmul="f32", qnative=False, block_m=128,
-                                      num_warps=8)),
+    ("default", "quant", {}),
+    ("dq-lazy-m64w4", "quant", dict(rescale="lazy", block_m=64, num_warps=4)),
+    ("dq-pps2-m64w4", "quant", dict(pages_per_step=2, block_m=64, num_warps=4)),
+    ("dq-pps2-m128w8", "quant", dict(pages_per_step=2, block_m=128, num_warps=8)),
+    ("ws-m128n64w8s3", "quant", _WS),
+    ("ws-m128n64w8s3-tma", "quant", dict(_WS, tma=True)),
+    ("ws-m64n64w4s2", "quant", dict(fold="workspace", block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    ("ws-pass1-dequant", "dequant", {}),
+    ("ws-pass2-attn-m128n64w8s3", "ws-attn", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+    ("triton-bf16-m128n64w8s3", "dense", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+    ("triton-bf16-m128n64w8s3-tma", "dense", dict(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True)),
+    ("triton-bf16-m64n64w4s2", "dense", dict(block_m=64, block_n=64, num_warps=4, num_stages=2)),
 ]
-FP16_CHECK = ("default", "dq-cat-m128w8-s3", "dq-cat-lazy-m64w4", "factor-cat-m64w4")
-CHANNEL = ("default", "dq-cat-m128w8-s3", "factor-cat-m64w4")
+FP16_CHECK = ("default", "ws-m128n64w8s3")
+CHANNEL = ("default", "ws-m128n64w8s3")
 
 
-def reference_f64(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, sm_scale=None, block=256):
+def reference_f64(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, sm_scale=None, block=256, prefix=None):
     """``extend_attention_ref`` in float64, chunked over query rows (the full score matrix at the benchmark shape
-    would be ~18 GB in float64)."""
+    would be ~18 GB in float64). ``prefix=(k, v)`` ``[B, Hkv, NP, d]``: that 16-bit prefix (``qlen[b]`` rows)
+    instead of the dequantized pages (the ``dense`` rows)."""
     B, T, hq, d = q.shape
     scale = d**-0.5 if sm_scale is None else sm_scale
     out = torch.empty(B, T, hq, d, dtype=torch.float64, device=q.device)
     for b in range(B):
         n16, nq = int(len16[b]), int(qlen[b])
-        k = torch.cat([k16[b, :, :n16].double(), gather_dequant_ref(kp, bt, b, nq).double(),
-                       kn[b].transpose(0, 1).double()], 1)
-        v = torch.cat([v16[b, :, :n16].double(), gather_dequant_ref(vp, bt, b, nq).double(),
-                       vn[b].transpose(0, 1).double()], 1)
+        if prefix is None:
+            kq, vq = gather_dequant_ref(kp, bt, b, nq), gather_dequant_ref(vp, bt, b, nq)
+        else:
+            kq, vq = prefix[0][b, :, :nq], prefix[1][b, :, :nq]
+        k = torch.cat([k16[b, :, :n16].double(), kq.double(), kn[b].transpose(0, 1).double()], 1)
+        v = torch.cat([v16[b, :, :n16].double(), vq.double(), vn[b].transpose(0, 1).double()], 1)
         hkv = k.shape[0]
         g = hq // hkv
         npre = n16 + nq
@@ -128,49 +136,98 @@ def make_inputs(prefix: int, chunk: int, key_layout: str, seed: int = 0):
     return q, kn, vn, kp, vp, bt, qlen, k16, v16, len16
 
 
+def _backend_of(names: list[str]) -> str:
+    low = " ".join(names).lower()
+    for key, name in (("cudnn", "cudnn"), ("flash_fwd", "flash"), ("pytorch_flash", "flash"),
+                      ("fmha_cutlass", "efficient"), ("mem_eff", "efficient")):
+        if key in low:
+            return name
+    return "math/unknown"
+
+
 def sdpa_times(prefix: int, chunk: int, reps: int) -> dict:
+    """BF16 SDPA over all ``prefix + chunk`` keys (non-causal, GQA through ``enable_gqa``): the default backend
+    (no context; which one ran, from the kernel names of one profiled call) and cuDNN, flash and efficient."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, HKV, prefix + chunk, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     res = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        def fn():
+    for name, backend in (("default", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def fn(backend=backend):
+            if backend is None:
+                return sdpa(q, k, v, enable_gqa=True)
             with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                return sdpa(q, k, v, enable_gqa=True)
         try:
             res[name] = timeit(fn, reps=reps)
         except Exception as e:  # one missing backend must not hide the rest
             res[name] = None
             res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sdpa(q, k, v, enable_gqa=True)
+            torch.cuda.synchronize()
+        names = sorted({e.name for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")})
+        res["default_kernels"] = [n[:160] for n in names]
+        res["default_backend"] = _backend_of(names)
+    except Exception as e:
+        res["default_backend"] = f"unknown ({type(e).__name__}: {str(e)[:120]})"
+    res["flags"] = {f: getattr(torch.backends.cuda, f)() for f in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
+                                                                    "cudnn_sdp_enabled", "math_sdp_enabled")
+                    if hasattr(torch.backends.cuda, f)}
+    del q, k, v
+    torch.cuda.empty_cache()
     return res
 
 
-def run_variant(name, kw, inputs, ref, ref_sharp, reps, inputs16=None, ref16=None) -> dict:
+def run_variant(name, kind, kw, inputs, refs, reps, dense=None, inputs16=None, ref16=None) -> dict:
+    """Check, then time, one row. ``refs``: (ref, ref_sharp) of the row's semantics; ``dense``: (k, v) bf16 prefix."""
     q, kn, vn, kp, vp, bt, qlen, k16, v16, len16 = inputs
-    row = {"variant": name, "kwargs": kw}
+    row = {"variant": name, "kind": kind, "kwargs": kw}
     out = torch.empty_like(q)
+    qs = (q.float() * SHARP).to(q.dtype)
     try:
+        if kind == "dequant":
+            fn = lambda: dequant_workspace(kp, vp, bt, qlen, round_to=64)  # noqa: E731
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.time() - t0, 1)
+            row["ok"] = True
+            row["ms"] = timeit(fn, reps=reps)
+            return row
+        if kind == "quant":
+            call = lambda qq, o, a=inputs: extend_attention_triton(qq, *a[1:], out=o, **kw)  # noqa: E731
+        elif kind == "ws-attn":
+            # the workspace path's second pass as it runs there: float16 workspace, tiers and chunk
+            kw_, vw_ = dequant_workspace(kp, vp, bt, qlen, round_to=kw.get("block_n", 64))
+            h16 = [x.half() for x in (kn, vn, k16, v16)]
+            call = lambda qq, o: extend_attention_dense(qq, h16[0], h16[1], kw_, vw_, qlen, h16[2], h16[3],  # noqa
+                                                        len16, out=o, **kw)
+        else:  # dense
+            call = lambda qq, o: extend_attention_dense(qq, kn, vn, dense[0], dense[1], qlen, k16, v16,  # noqa: E731
+                                                        len16, out=o, **kw)
         t0 = time.time()
-        extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, out=out, **kw)
+        call(q, out)
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.time() - t0, 1)  # includes compilation
-        row["err"] = rel_err(out, ref)
-        qs = (q.float() * SHARP).to(q.dtype)
-        extend_attention_triton(qs, kn, vn, kp, vp, bt, qlen, k16, v16, len16, out=out, **kw)
-        row["err_sharp"] = rel_err(out, ref_sharp)
+        row["err"] = rel_err(out, refs[0])
+        call(qs, out)
+        row["err_sharp"] = rel_err(out, refs[1])
         if inputs16 is not None:
-            a16 = inputs16
-            out16 = torch.empty_like(a16[0])
-            extend_attention_triton(*a16, out=out16, **kw)
+            out16 = torch.empty_like(inputs16[0])
+            extend_attention_triton(*inputs16, out=out16, **kw)
             row["err_fp16"] = rel_err(out16, ref16)
         row["ok"] = row["err"] < BUDGET[q.dtype] and row["err_sharp"] < BUDGET[q.dtype] and \
             row.get("err_fp16", 0.0) < BUDGET[torch.float16]
-        row["ms"] = timeit(lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, out=out,
-                                                           **kw), reps=reps)
-        row["ms_sharp"] = timeit(lambda: extend_attention_triton(qs, kn, vn, kp, vp, bt, qlen, k16, v16, len16,
-                                                                 out=out, **kw), reps=reps)
+        row["ms"] = timeit(lambda: call(q, out), reps=reps)
+        row["ms_sharp"] = timeit(lambda: call(qs, out), reps=reps)
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         traceback.print_exc()
@@ -178,16 +235,20 @@ def run_variant(name, kw, inputs, ref, ref_sharp, reps, inputs16=None, ref16=Non
     return row
 
 
+HEAD = ("| variant | kind | check | err bf16 | err bf16 q x16 | err fp16 | ms | ms q x16 | TFLOP/s | x cuDNN | "
+        "x flash | x default SDPA |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 def fmt_row(r: dict, sd: dict, flops: float) -> str:
-    f = lambda x, p=4: "n/a" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))  # noqa: E731
     if "error" in r:
-        return f"| {r['variant']} | ERROR: {r['error'][:150]} |" + " |" * 8
+        return f"| {r['variant']} | {r['kind']} | ERROR: {r['error'][:150]} |" + " |" * 9
     ms = r["ms"]
-    cu, fl = sd.get("cudnn"), sd.get("flash")
     e = lambda k: "" if k not in r else f"{r[k]:.1e}"  # noqa: E731
-    return (f"| {r['variant']} | {'ok' if r['ok'] else 'FAIL'} | {e('err')} | {e('err_sharp')} | {e('err_fp16')} | "
-            f"{ms:.3f} | {r['ms_sharp']:.3f} | {flops / ms / 1e9:.0f} | "
-            f"{f(ms / cu, 2) if cu else 'n/a'} | {f(ms / fl, 2) if fl else 'n/a'} |")
+    x = lambda k: "" if r["kind"] == "dequant" else (f"{ms / sd[k]:.2f}" if sd.get(k) else "n/a")  # noqa: E731
+    tf = "" if r["kind"] == "dequant" else f"{flops / ms / 1e9:.0f}"
+    ms_s = f"{r['ms_sharp']:.3f}" if "ms_sharp" in r else ""
+    return (f"| {r['variant']} | {r['kind']} | {'ok' if r['ok'] else 'FAIL'} | {e('err')} | {e('err_sharp')} | "
+            f"{e('err_fp16')} | {ms:.3f} | {ms_s} | {tf} | {x('cudnn')} | {x('flash')} | {x('default')} |")
 
 
 def main() -> int:
@@ -206,6 +267,14 @@ def main() -> int:
                 if p.kind == p.KEYWORD_ONLY and k != "out"}
     res = {"provenance": provenance(args.git_sha), "prefix": args.prefix, "chunk": args.chunk,
            "launcher_defaults": defaults, "rows": [], "channel_rows": []}
+
+    def save():
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
+    t_start = time.time()
     sc = self_check()
     res["reference_self_check"] = sc
     print(f"chunked float64 reference vs extend_attention_ref: {sc:.1e}", flush=True)
@@ -221,52 +290,64 @@ def main() -> int:
           f"launcher defaults: {defaults}", flush=True)
     sd = sdpa_times(args.prefix, args.chunk, args.reps)
     res["sdpa_ms"] = sd
-    print(f"BF16 SDPA over {keys} keys: cuDNN {sd.get('cudnn')} ms, flash {sd.get('flash')} ms "
-          f"(target <= 1.5 x cuDNN = {1.5 * sd['cudnn']:.3f} ms)" if sd.get("cudnn") else f"SDPA: {sd}", flush=True)
-    torch.cuda.empty_cache()
+    print(f"BF16 SDPA over {keys} keys (ms): default {sd.get('default')} (backend {sd.get('default_backend')}), "
+          f"cuDNN {sd.get('cudnn')}, flash {sd.get('flash')}, efficient {sd.get('efficient')}\n"
+          f"default SDPA kernels: {sd.get('default_kernels')}", flush=True)
+    save()
     for layout in ("token",) + (() if args.no_channel else ("channel",)):
+        rows_sel = [v for v in sel if layout == "token" or v[0] in CHANNEL]
+        if not rows_sel:
+            continue
         inputs = make_inputs(args.prefix, args.chunk, layout)
         q = inputs[0]
-        ref = reference_f64(*inputs)
-        ref_sharp = reference_f64((q.float() * SHARP).to(q.dtype), *inputs[1:])
-        inputs16 = tuple(x.half() if torch.is_tensor(x) and x.dtype == torch.bfloat16 else x for x in inputs)
-        ref16 = reference_f64(*inputs16)
+        qs = (q.float() * SHARP).to(q.dtype)
+        refs = (reference_f64(*inputs), reference_f64(qs, *inputs[1:]))
+        need16 = any(v[0] in FP16_CHECK for v in rows_sel)
+        inputs16 = tuple(x.half() if torch.is_tensor(x) and x.dtype == torch.bfloat16 else x for x in inputs) \
+            if need16 else None
+        ref16 = reference_f64(*inputs16) if need16 else None
+        dense = dense_refs = None
+        if layout == "token" and any(v[1] == "dense" for v in rows_sel):
+            g = torch.Generator(device="cuda").manual_seed(7)
+            npad = -(-n2 // 128) * 128
+            dense = tuple(torch.randn(1, HKV, npad, D, device="cuda", dtype=torch.bfloat16, generator=g) * 0.3
+                          for _ in range(2))
+            dense_refs = (reference_f64(*inputs, prefix=dense), reference_f64(qs, *inputs[1:], prefix=dense))
         rows = res["rows"] if layout == "token" else res["channel_rows"]
-        for name, kw in sel:
-            if layout == "channel" and name not in CHANNEL:
-                continue
-            fp16 = name in FP16_CHECK
-            r = run_variant(name, kw, inputs, ref, ref_sharp, args.reps, inputs16 if fp16 else None,
-                            ref16 if fp16 else None)
+        for name, kind, kw in rows_sel:
+            fp16 = name in FP16_CHECK and kind == "quant"
+            r = run_variant(name, kind, kw, inputs, dense_refs if kind == "dense" else refs, args.reps,
+                            dense=dense, inputs16=inputs16 if fp16 else None, ref16=ref16 if fp16 else None)
             r["layout"] = layout
             rows.append(r)
-            print(f"[{layout}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("variant", "kwargs")}),
-                  flush=True)
-        del inputs, ref, ref_sharp, inputs16, ref16
+            print(f"[{layout}] {name} ({time.time() - t_start:.0f} s): " +
+                  json.dumps({k: v for k, v in r.items() if k not in ("variant", "kwargs")}), flush=True)
+            save()
+        del inputs, refs, inputs16, ref16, dense, dense_refs
         torch.cuda.empty_cache()
-    head = ("| variant | check | err bf16 | err bf16 q x16 | err fp16 | ms | ms q x16 | TFLOP/s | / cuDNN | / flash |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sdl = ", ".join(f"{k} {sd[k]:.3f}" for k in ("default", "cudnn", "flash", "efficient") if sd.get(k))
     lines = [f"Extend probe: chunk {args.chunk} over a {args.prefix}-token prefix ({n2} 2-bit + "
              f"{min(args.prefix, W16)} 16-bit), {HQ}/{HKV} heads, d={D}, bf16; cold L2, CUDA graph, median of "
-             f"{args.reps}. SDPA over {keys} keys: cuDNN {sd.get('cudnn')} ms, flash {sd.get('flash')} ms. "
-             f"Budgets: 1e-2 (bf16), 2e-3 (fp16). TFLOP/s counts our causal work ({flops / 1e12:.3f} TFLOP).",
-             f"Launcher defaults: `{json.dumps(defaults)}`", "", "Token pages:", "", head]
+             f"{args.reps}. BF16 SDPA over {keys} keys, non-causal (ms): {sdl}; the default backend is "
+             f"{sd.get('default_backend')}. Budgets: 1e-2 (bf16), 2e-3 (fp16). TFLOP/s counts our causal work "
+             f"({flops / 1e12:.3f} TFLOP; SDPA does {flops_sdpa / 1e12:.3f}). `dense` rows: bfloat16 prefix, no "
+             f"quantization (checked against attention over it).",
+             f"Launcher defaults: `{json.dumps(defaults)}`", "", "Token pages:", "", HEAD]
     lines += [fmt_row(r, sd, flops) for r in res["rows"]]
     if res["channel_rows"]:
-        lines += ["", "Keys in channel pages:", "", head] + [fmt_row(r, sd, flops) for r in res["channel_rows"]]
-    ok = [r for r in res["rows"] if r.get("ok")]
+        lines += ["", "Keys in channel pages:", "", HEAD] + [fmt_row(r, sd, flops) for r in res["channel_rows"]]
+    ok = [r for r in res["rows"] if r.get("ok") and r["kind"] == "quant"]
     if ok:
         best = min(ok, key=lambda r: r["ms"])
         res["best"] = best["variant"]
-        cu = sd.get("cudnn")
-        lines += ["", f"Fastest correct variant: {best['variant']} `{json.dumps(best['kwargs'])}` {best['ms']:.3f} ms"
-                  + (f" = {best['ms'] / cu:.2f} x cuDNN (target <= 1.5)" if cu else "")]
+        xs = ", ".join(f"{best['ms'] / sd[k]:.2f} x {k}" for k in ("cudnn", "flash", "default") if sd.get(k))
+        lines += ["", f"Fastest correct quantized variant: {best['variant']} `{json.dumps(best['kwargs'])}` "
+                  f"{best['ms']:.3f} ms = {xs} (target <= 1.5)"]
     md = "\n".join(lines)
     print("\n" + md, flush=True)
+    res["wall_s"] = round(time.time() - t_start, 1)
+    save()
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(md + "\n")
     return 0 if all(r.get("ok") for r in res["rows"] + res["channel_rows"]) else 1

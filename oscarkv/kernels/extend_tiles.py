@@ -1,8 +1,9 @@
 """Triton device functions of the extend kernel (:mod:`oscarkv.kernels.extend_triton`): code tiles unpacked to
 exact 16-bit codes or dequantized to float16 by inline PTX on CUDA (integer ops in the interpreter), the four
 field tiles as one natural-order operand, the online-softmax step and the (optionally lazy) accumulator rescale,
-and the logits over a channel page. Field ``j`` of packed byte ``c`` is element ``j d/4 + c`` of the row, so a
-``[n, d/4]`` field tile is the column block ``[j d/4, (j+1) d/4)``."""
+the logits over a channel page, and the flash step of the dense kernel (:mod:`oscarkv.kernels.extend_dense`).
+Field ``j`` of packed byte ``c`` is element ``j d/4 + c`` of the row, so a ``[n, d/4]`` field tile is the column
+block ``[j d/4, (j+1) d/4)``."""
 
 from __future__ import annotations
 
@@ -183,3 +184,14 @@ def _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, 
         s = tl.dot(qk3, tl.trans(h3), s)
         s = s * kmax
     return s
+
+
+@triton.jit
+def _fa_update(s, v, m_i, l_i, acc, csc, P16: tl.constexpr):
+    """Flash-attention step of the dense kernel: online softmax over logits ``s`` (unscaled; ``csc`` =
+    ``sm_scale log2(e)``, folded into the exponent's one fma), the accumulator rescaled and ``P V`` added, with
+    ``P`` rounded to ``P16`` (the value tile's 16-bit dtype) and entering the dot in ``v``'s dtype."""
+    m_new, alpha, p = _online(s, m_i, csc, 0.0, 0.0, False)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(P16).to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc

@@ -1,8 +1,8 @@
 """Triton prefill/extend attention over a quantized prefix: the queries of a new chunk attend causally to the
 chunk (16-bit) and fully to the earlier tokens as stored (16-bit tiers + 2-bit pages, unpacked tile by tile in
-registers, never materialised). Flash-attention style online softmax; one program = one (sequence, KV head,
-block of query rows), the rows being (token, query head of the GQA group) pairs, so one unpacked tile serves
-every query head of its KV head.
+registers, never materialised; ``fold="workspace"`` excepted, below). Flash-attention style online softmax;
+one program = one (sequence, KV head, block of query rows), the rows being (token, query head of the GQA group)
+pairs, so one unpacked tile serves every query head of its KV head.
 
 A page's scales and offsets are applied in one of two ways. ``fold="dequant"`` (default): the code tiles become
 float16 ``o + c s`` once per page (one more fma per pair inside the unpacking asm, shared by every query row), then
@@ -20,6 +20,18 @@ dots of K-dim ``d/4``; four ``[m, d/4]`` accumulators); ``"vcat"`` mixes the two
 The previous kernel (fields interleaved into one operand, queries/outputs permuted to match; 8.35 ms against
 4.18 ms at the benchmark shape, docs/results/kernels_h200.md) is in git history (commit 08843a7).
 
+Prefill variants (launcher keywords; ``benchmarks/extend_probe.py`` times them against the plain Triton flash
+attention over a bfloat16 prefix and BF16 SDPA): ``pages_per_step`` (``"dequant"``, token pages: 2 or 4 pages as
+one key tile per step, so the online-softmax bookkeeping, the accumulator rescale and the per-step barriers are
+paid once per 128 or 256 keys instead of per page); ``fold="workspace"`` (:mod:`oscarkv.kernels.extend_dense`):
+two passes, the pages dequantized once per (page, KV head) into a transient float16 workspace (the same
+``o + c s`` values), then a plain flash-attention loop over it (unmasked full tiles, loads pipelined by
+``cp.async`` or, with ``tma``, TMA descriptors, only the diagonal chunk tiles masked) with no unpacking in it:
+each dequantized tile is then shared by every query block of its KV head rather than by one program's rows.
+Static sm_90 SASS of the key loop (Triton 3.6 AOT, d 128, GQA 4, bfloat16 q; instructions per warp per 64 keys,
+no spills): fused default (64 rows / 4 warps) 606; ``pages_per_step=2`` 502 (64 / 4), 389 (128 / 8); workspace
+attention 361-365 (347 with ``tma``); the same loop over a bfloat16 prefix 338-375. Speed: the probe's numbers.
+
 This module holds the kernel, its per-page and per-tile loop bodies and the launcher; the tile-level device
 functions (PTX unpacking/dequantization, operand concatenation, online softmax, rescale, channel-page logits)
 are in :mod:`oscarkv.kernels.extend_tiles`.
@@ -34,14 +46,26 @@ import triton
 import triton.language as tl
 
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
+from .extend_dense import _flash, _pow2, dequant_workspace, extend_attention_dense
 from .extend_tiles import _cat4, _channel_logits, _dequant4, _online, _rescale, _unpack4
 from .layout import QuantPages
 
 UNPACKS = ("cat", "vcat", "fields")
-FOLDS = ("dequant", "factor")
+FOLDS = ("dequant", "factor", "workspace")
 RESCALES = ("always", "lazy")
 PMULS = ("f16", "f32")
 LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max exceeds it by 2^3 (p <= 8)
+
+
+@triton.jit
+def _step_pages(bt_row, step, npages, PS: tl.constexpr, PPS: tl.constexpr):
+    """The page id of each of the ``PS PPS`` rows of step ``step`` (``PPS`` pages; page 0 past the last)."""
+    sel = tl.arange(0, PS * PPS) // PS
+    page = tl.zeros([PS * PPS], tl.int64)
+    for j in tl.static_range(PPS):
+        pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
+        page = tl.where(sel == j, pj, page)
+    return page
 
 
 @triton.jit
@@ -110,14 +134,19 @@ def _page_step(
 
 
 @triton.jit
-def _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS: tl.constexpr, KROWS: tl.constexpr):
-    """One page's per-token scales and offsets of K (``KROWS``: token pages) and V as float16 ``[PS]``."""
-    row = page * s_mp + h * s_mh + tl.arange(0, PS)
+def _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS: tl.constexpr, KROWS: tl.constexpr,
+               PPS: tl.constexpr = 1):
+    """One step's per-token scales and offsets of K (``KROWS``: token pages) and V as float16 ``[PS PPS]``:
+    one page (``page`` a scalar) or ``PPS`` pages (``page`` the ``[PS PPS]`` page id of each row)."""
+    if PPS == 1:
+        row = page * s_mp + h * s_mh + tl.arange(0, PS)
+    else:
+        row = page * s_mp + h * s_mh + tl.arange(0, PS * PPS) % PS
     if KROWS:
         ks = tl.load(ks_ptr + row).to(tl.float16)
         ko = tl.load(ko_ptr + row).to(tl.float16)
     else:
-        ks = tl.zeros([PS], tl.float16)
+        ks = tl.zeros([PS * PPS], tl.float16)
         ko = ks
     vs = tl.load(vs_ptr + row).to(tl.float16)
     vo = tl.load(vo_ptr + row).to(tl.float16)
@@ -129,23 +158,28 @@ def _page_step_dq(
     p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
     qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3,
     D: tl.constexpr, PS: tl.constexpr, ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
-    KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr,
+    KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr, PPS: tl.constexpr = 1,
 ):
     """One 2-bit page, ``fold="dequant"``: the code tiles become float16 ``o + c s`` once per page (the
     dequantization rides in the unpacking asm: one more fma per pair, shared by every query row), then plain
     flash attention on them: no per-score scale/offset work. ``ksr``..``vor``: this page's row metadata,
-    loaded a page ahead. Channel-page keys use their own (normalised) dequantization."""
+    loaded a page ahead. Channel-page keys use their own (normalised) dequantization. ``PPS`` > 1 (token pages
+    only): ``PPS`` pages per step as one ``[PS PPS, D]`` tile (``page``: each row's page id), step ``p``."""
     DQ: tl.constexpr = D // 4
+    NB: tl.constexpr = PS * PPS
     if F32DOT:
         DT: tl.constexpr = tl.float32
     else:
         DT: tl.constexpr = tl.float16
-    n = tl.arange(0, PS)
+    n = tl.arange(0, NB)
     c = tl.arange(0, DQ)
-    crow = page * s_cp + h * s_ch + n * DQ
+    if PPS == 1:
+        crow = page * s_cp + h * s_ch + n * DQ
+    else:
+        crow = page * s_cp + h * s_ch + (n % PS) * DQ
     kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
     if MASKED:  # metadata past the sequence end may be NaN: the values' must not reach the product
-        tmask = p * PS + n < ntok
+        tmask = p * NB + n < ntok
         vsr = tl.where(tmask, vsr, 0.0)
         vor = tl.where(tmask, vor, 0.0)
     if KCH:
@@ -153,10 +187,10 @@ def _page_step_dq(
         s = _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, qk1, qk2, qk3, D, PS, DT,
                             KCAT)
     else:
-        k0, k1, k2, k3 = _dequant4(kc, tl.broadcast_to(ksr[:, None], (PS, DQ)),
-                                   tl.broadcast_to(kor[:, None], (PS, DQ)), ASM, DT)
+        k0, k1, k2, k3 = _dequant4(kc, tl.broadcast_to(ksr[:, None], (NB, DQ)),
+                                   tl.broadcast_to(kor[:, None], (NB, DQ)), ASM, DT)
         if KCAT:
-            s = tl.dot(qk0, tl.trans(_cat4(k0, k1, k2, k3, PS, D)))
+            s = tl.dot(qk0, tl.trans(_cat4(k0, k1, k2, k3, NB, D)))
         else:
             s = tl.dot(qk0, tl.trans(k0))
             s = tl.dot(qk1, tl.trans(k1), s)
@@ -167,11 +201,11 @@ def _page_step_dq(
     m_new, alpha, pr = _online(s, m_i, csc, 0.0, tau, LAZY)
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     pv = pr.to(tl.float16).to(DT)
-    v0, v1, v2, v3 = _dequant4(tl.load(vc_ptr + crow[:, None] + c[None, :]), tl.broadcast_to(vsr[:, None], (PS, DQ)),
-                               tl.broadcast_to(vor[:, None], (PS, DQ)), ASM, DT)
+    v0, v1, v2, v3 = _dequant4(tl.load(vc_ptr + crow[:, None] + c[None, :]), tl.broadcast_to(vsr[:, None], (NB, DQ)),
+                               tl.broadcast_to(vor[:, None], (NB, DQ)), ASM, DT)
     a0, a1, a2, a3 = _rescale(a0, a1, a2, a3, alpha, m_new != m_i, LAZY, VCAT)
     if VCAT:
-        a0 = tl.dot(pv, _cat4(v0, v1, v2, v3, PS, D), a0)
+        a0 = tl.dot(pv, _cat4(v0, v1, v2, v3, NB, D), a0)
     else:
         a0 = tl.dot(pv, v0, a0)
         a1 = tl.dot(pv, v1, a1)
@@ -235,7 +269,7 @@ def _extend_kernel(
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr, QNAT: tl.constexpr, CBF: tl.constexpr,
     KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, PMUL16: tl.constexpr, TAU: tl.constexpr,
-    DENSE_STAGES: tl.constexpr, DEQ: tl.constexpr,
+    DENSE_STAGES: tl.constexpr, DEQ: tl.constexpr, PPS: tl.constexpr,
 ):
     """``DEQ``: ``fold="dequant"`` (:func:`_page_step_dq`), else the scale/offset factoring (:func:`_page_step`).
     ``KCAT``/``VCAT``: keys/values as one natural-order ``[n, D]`` operand (else four field blocks).
@@ -326,7 +360,34 @@ def _extend_kernel(
     # page ids are read one page ahead, so the code and metadata loads of a page depend on a value loaded an
     # iteration earlier and the loop pipeliner can issue them early (not behind a block-table load)
     page = tl.load(bt_row, mask=npages > 0, other=0).to(tl.int64)
-    if DEQ:
+    if DEQ and PPS > 1:
+        # PPS pages per step, one [PS PPS, D] tile (token pages): the steps' page ids are read a step ahead
+        NB: tl.constexpr = PS * PPS
+        lv = 0.0
+        nsf = ntok // NB
+        page = _step_pages(bt_row, 0, npages, PS, PPS)
+        ksr = tl.zeros([NB], tl.float16)
+        kor = ksr
+        vsr = ksr
+        vor = ksr
+        if npages > 0:  # (an empty pool is never read)
+            ksr, kor, vsr, vor = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS, True, PPS)
+        for p in range(0, nsf):
+            page_next = _step_pages(bt_row, p + 1, npages, PS, PPS)
+            ks_n, ko_n, vs_n, vo_n = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page_next, h, s_mp, s_mh, PS, True,
+                                                PPS)
+            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
+                p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
+                False, PPS)
+            page = page_next
+            ksr, kor, vsr, vor = ks_n, ko_n, vs_n, vo_n
+        if nsf * NB < ntok:
+            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
+                nsf, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
+                True, PPS)
+    elif DEQ:
         lv = 0.0
         # (page 0 stands in past the last page: every pool holds one; an empty pool is never read)
         ksr = tl.zeros([PS], tl.float16)
@@ -395,16 +456,12 @@ def _extend_kernel(
         tl.store(optr + 3 * DQ + c[None, :], (a3 * inv[:, None] + oo).to(ot), mask=rmask[:, None])
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
     dense_stages: int = 2, fold: str = "dequant", unpack: str = "cat", qnative: bool | None = None,
-    rescale: str = "always", pmul: str = "f16", maxnreg: int = 0,
+    rescale: str = "always", pmul: str = "f16", maxnreg: int = 0, pages_per_step: int = 1, tma: bool = False,
 ) -> Tensor:
     """Chunk attention over a quantized prefix; semantics of
     :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new
@@ -422,7 +479,13 @@ def extend_attention_triton(
     block-wide flag, when no row's max moved; ``"always"``: every page, as flash attention). ``"factor"``
     only: ``qnative`` (token pages: the query enters the code dot unscaled in its own dtype, default True;
     False prescales it to float16 as channel pages always do) and ``pmul`` (``"f16"``: ``P s_v`` multiplied
-    in float16, ``"f32"``: in float32 then rounded).
+    in float16, ``"f32"``: in float32 then rounded). ``"dequant"`` with token pages only: ``pages_per_step``
+    (1, 2 or 4 pages as one ``[page_size pages_per_step, d]`` tile per step: fewer, larger online-softmax
+    steps). ``fold="workspace"``: two passes, the 2-bit pages first dequantized (float16, the same values as
+    ``"dequant"``) into a transient ``[B, Hkv, pages, d]`` K and V workspace (``2 B Hkv page_size
+    block_table.shape[1] d`` float16 values: 133 MB at 32K tokens x 8 KV heads x d 128), then plain flash
+    attention over it (:func:`extend_attention_dense`; ``block_n`` keys per tile everywhere, ``tma``: the
+    workspace tiles through TMA descriptors); ``unpack``/``rescale``/``qnative``/``pmul`` do not apply.
     """
     B, T, hq, d = q.shape
     fmt = k_pages.fmt
@@ -454,6 +517,11 @@ def extend_attention_triton(
     if num_stages < 1 or dense_stages < 1 or maxnreg < 0:
         raise ValueError(f"num_stages and dense_stages must be >= 1 and maxnreg >= 0, got {num_stages}, "
                          f"{dense_stages}, {maxnreg}")
+    if tma and fold != "workspace":
+        raise ValueError("tma=True applies to fold='workspace' only (the fused kernels unpack in registers)")
+    if pages_per_step not in (1, 2, 4) or (pages_per_step > 1 and (fold != "dequant" or fmt.channel)):
+        raise ValueError(f"pages_per_step must be 1, 2 or 4, and > 1 only with fold='dequant' and token-page "
+                         f"keys; got {pages_per_step} (fold {fold!r}, key layout {fmt.layout!r})")
     g = hq // fmt.num_kv_heads
     if g > block_m:
         raise ValueError(f"GQA group {g} larger than block_m {block_m}")
@@ -466,6 +534,12 @@ def extend_attention_triton(
         k_new, v_new = k_new.to(k16.dtype), v_new.to(k16.dtype)
     if q.dtype == torch.float32:  # the dots take 16-bit queries: prescale (as the previous kernel did) to float16
         q, sm_scale = (q * sm_scale).to(torch.float16), 1.0
+    if fold == "workspace":
+        kw, vw = dequant_workspace(k_pages, v_pages, block_table, qlen, round_to=block_n)
+        if k16.dtype != torch.float16:  # every dot in float16 (as q and the workspace): convert once, not per tile
+            k_new, v_new, k16, v16 = (x.to(torch.float16) for x in (k_new, v_new, k16, v16))
+        return _flash(q, k_new, v_new, kw, vw, qlen, k16, v16, len16, sm_scale, out, block_m, block_n, num_warps,
+                      num_stages, dense_stages, tma, maxnreg)
     tok_m = block_m // g
     grid = (triton.cdiv(T, tok_m), B * fmt.num_kv_heads)
     args = (
@@ -482,9 +556,11 @@ def extend_attention_triton(
         *args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interp, F32DOT=interp,
         KCH=fmt.channel, QNAT=qnat, CBF=qnat and q.dtype == torch.bfloat16, KCAT=unpack == "cat",
         VCAT=unpack in ("vcat", "cat"), LAZY=rescale == "lazy", PMUL16=pmul == "f16", TAU=LAZY_TAU,
-        DENSE_STAGES=dense_stages, DEQ=fold == "dequant", num_warps=num_warps, num_stages=num_stages, **cap,
+        DENSE_STAGES=dense_stages, DEQ=fold == "dequant", PPS=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages, **cap,
     )
     return out
 
 
-__all__ = ["FOLDS", "PMULS", "RESCALES", "UNPACKS", "extend_attention_triton"]
+__all__ = ["FOLDS", "PMULS", "RESCALES", "UNPACKS", "dequant_workspace", "extend_attention_dense",
+           "extend_attention_triton"]
