@@ -9,6 +9,7 @@ random 2-bit codes with small random scales/offsets) and decode steps are timed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,7 +29,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--gemv", default="auto", choices=("auto", "cublas", "triton"),
                    help="decode GEMV of the engine (LLM(gemv=...)) in the timed suites")
+    p.add_argument("--pdl", default="off", type=parse_pdl,
+                   help="programmatic dependent launch of the decode step's kernels (LLM(pdl=...)): off, on, or "
+                        "off,on to time every latency/throughput row both ways in one run (compared at the end); "
+                        "an item may name a one-row GEMV set of triton_ops.GEMV_SETS, e.g. off,on,on:splitk1")
+    p.add_argument("--suites", default="memory,latency,throughput",
+                   help="comma-separated subset of memory, latency, throughput")
     p.add_argument("--out", default="e2e.json", help="JSON results file")
+
+
+def parse_pdl(text: str) -> list[tuple[bool, str]]:
+    """``off`` / ``on`` / ``off,on`` (also 0/1, false/true), each optionally ``:SET`` (a GEMV set of
+    ``triton_ops.GEMV_SETS``) -> the (pdl, set) variants to time, in order."""
+    names = {"off": False, "0": False, "false": False, "on": True, "1": True, "true": True}
+    out = []
+    for item in (v.strip().lower() for v in text.split(",") if v.strip()):
+        flag, _, gset = item.partition(":")
+        if flag not in names:
+            raise argparse.ArgumentTypeError(f"--pdl takes off, on, off,on (items may add :SET); got {text!r}")
+        out.append((names[flag], gset or "default"))
+    if not out:
+        raise argparse.ArgumentTypeError("--pdl needs at least one of off, on")
+    return list(dict.fromkeys(out))
+
+
+def variant_name(pdl: bool, gset: str = "default") -> str:
+    return ("on" if pdl else "off") + ("" if gset == "default" else f":{gset}")
+
+
+@contextlib.contextmanager
+def gemv_set(model, name: str):
+    """Enter the one-row GEMV set ``name`` (``triton_ops.GEMV_SETS``) into ``GEMV_CONFIGS`` for ``model``'s
+    projection shapes for the duration (builds, captures and replays inside see it)."""
+    if name == "default":
+        yield
+        return
+    from oscarkv.engine import triton_ops
+
+    if name not in triton_ops.GEMV_SETS:
+        raise ValueError(f"unknown GEMV set {name!r}: {sorted(triton_ops.GEMV_SETS)}")
+    saved = dict(triton_ops.GEMV_CONFIGS)
+    shapes = model.gemv_shapes()
+    for proj, cfg in triton_ops.GEMV_SETS[name].items():
+        if cfg is not None:
+            triton_ops.GEMV_CONFIGS[(1, *shapes[proj])] = cfg
+    try:
+        yield
+    finally:
+        triton_ops.GEMV_CONFIGS.clear()
+        triton_ops.GEMV_CONFIGS.update(saved)
 
 
 def provenance() -> dict:
@@ -57,7 +106,7 @@ def provenance() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- set-up
-def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto"):
+def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto", pdl: bool = False):
     """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens."""
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
@@ -76,7 +125,7 @@ def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: s
         spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
         calib = Calibration.identity(identity_of(cfg), spec, clip=0.96)
     return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=n_seqs, max_model_len=n,
-               monitor_every=0, gemv=gemv)
+               monitor_every=0, gemv=gemv, pdl=pdl)
 
 
 def fill_random(llm, n_seqs: int, ctx: int):
@@ -161,22 +210,82 @@ def release(llm) -> None:
 
 
 # ------------------------------------------------------------------------------------------- suites
-def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto") -> list[dict]:
+def _variants(pdls) -> list[tuple[bool, str]]:
+    return [v if isinstance(v, tuple) else (bool(v), "default") for v in pdls]
+
+
+def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto",
+            pdls: tuple = (False,), on_row=None) -> list[dict]:
+    """Batch-1 step per context, cache and variant; ``on_row(rows)`` after each row (partial results). A row
+    that fails (several variants) is recorded with its error and the others go on."""
     rows = []
     wbytes = model.weight_bytes()
     for ctx in contexts:
         for kv in ("bf16", "oscar"):
-            llm = build(model, kv, 1, ctx, gemv=gemv)
-            seqs = fill_random(llm, 1, ctx)
-            r = time_decode(llm, seqs, replays)
-            floor = (wbytes + kv_read_bytes(llm, ctx)) / PEAK_BW * 1e3
-            r.update(kv=kv, context=ctx, floor_ms=floor, ratio_to_floor=r["graph_ms"] / floor,
-                     kv_bytes_read=kv_read_bytes(llm, ctx), weight_bytes=wbytes)
-            rows.append(r)
-            log(f"  latency {kv:5s} ctx {ctx:>6d}: {r['graph_ms']:.3f} ms (floor {floor:.3f}, "
-                f"x{r['ratio_to_floor']:.2f}; engine step {r['engine_step_ms']:.2f} ms)")
-            release(llm)
+            for pdl, gset in _variants(pdls):
+                llm = None
+                try:
+                    with gemv_set(model, gset):
+                        llm = build(model, kv, 1, ctx, gemv=gemv, pdl=pdl)
+                        seqs = fill_random(llm, 1, ctx)
+                        r = time_decode(llm, seqs, replays)
+                except Exception as e:  # noqa: BLE001
+                    if len(pdls) == 1:
+                        raise
+                    import gc
+
+                    import torch
+
+                    log(f"  latency {kv:5s} ctx {ctx:>6d} pdl {variant_name(pdl, gset):11s}: FAILED "
+                        f"{type(e).__name__}: {str(e)[:400]}")
+                    rows.append({"kv": kv, "context": ctx, "pdl": pdl, "gemv_set": gset,
+                                 "variant": variant_name(pdl, gset), "error": f"{type(e).__name__}: {e}"})
+                    if llm is not None:
+                        llm.engine.graphs.clear()
+                    llm = None
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                floor = (wbytes + kv_read_bytes(llm, ctx)) / PEAK_BW * 1e3
+                r.update(kv=kv, context=ctx, pdl=pdl, gemv_set=gset, variant=variant_name(pdl, gset),
+                         floor_ms=floor, ratio_to_floor=r["graph_ms"] / floor, kv_bytes_read=kv_read_bytes(llm, ctx),
+                         weight_bytes=wbytes)
+                rows.append(r)
+                log(f"  latency {kv:5s} ctx {ctx:>6d} pdl {r['variant']:11s}: {r['graph_ms']:.3f} ms (floor "
+                    f"{floor:.3f}, x{r['ratio_to_floor']:.2f}; engine step {r['engine_step_ms']:.2f} ms)")
+                release(llm)
+                if on_row is not None:
+                    on_row(rows)
     return rows
+
+
+def latency_table(rows: list[dict]) -> list[str]:
+    """Markdown rows: per context, BF16 and OSCAR step ms / ratio to floor for each variant (pdl setting and
+    GEMV set), the OSCAR speed-up over BF16, and each variant against plain "off"."""
+    name = lambda r: r.get("variant") or variant_name(bool(r.get("pdl", False)))  # noqa: E731
+    by = {(r["context"], r["kv"], name(r)): r for r in rows if "graph_ms" in r}
+    variants = list(dict.fromkeys(name(r) for r in rows if "graph_ms" in r))
+    out = ["| context | pdl | BF16 ms | floor | ratio | OSCAR ms | floor | ratio | OSCAR speed-up |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for ctx in sorted({k[0] for k in by}):
+        for v in variants:
+            b, o = by.get((ctx, "bf16", v)), by.get((ctx, "oscar", v))
+            if b is None or o is None:
+                continue
+            out.append(f"| {ctx} | {v} | {b['graph_ms']:.3f} | {b['floor_ms']:.2f} | {b['ratio_to_floor']:.2f} | "
+                       f"{o['graph_ms']:.3f} | {o['floor_ms']:.2f} | {o['ratio_to_floor']:.2f} | "
+                       f"{b['graph_ms'] / o['graph_ms']:.2f}x |")
+    if "off" in variants and len(variants) > 1:
+        out += ["", "| context | cache | variant | off ms | variant ms | saved ms | variant / off |",
+                "|---|---|---|---|---|---|---|"]
+        for ctx in sorted({k[0] for k in by}):
+            for kv in ("bf16", "oscar"):
+                for v in variants:
+                    if v == "off" or (ctx, kv, v) not in by or (ctx, kv, "off") not in by:
+                        continue
+                    off, r = by[(ctx, kv, "off")]["graph_ms"], by[(ctx, kv, v)]["graph_ms"]
+                    out.append(f"| {ctx} | {kv} | {v} | {off:.3f} | {r:.3f} | {off - r:.3f} | {r / off:.3f} |")
+    return out
 
 
 def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
@@ -190,19 +299,22 @@ def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
     return int(budget_gb * 2**30 // per)
 
 
-def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "auto") -> list[dict]:
+def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "auto",
+               pdls: tuple = (False,)) -> list[dict]:
     rows = []
     for kv in ("bf16", "oscar"):
         top = max_seqs(model, kv, ctx, budget_gb)
         for bs in sorted({b for b in (1, 8, top) if b <= top}):
-            llm = build(model, kv, bs, ctx, gemv=gemv)
-            r = time_decode(llm, fill_random(llm, bs, ctx), replays)
-            r.update(kv=kv, context=ctx, budget_gb=budget_gb, max_batch_in_budget=top,
-                     tokens_per_s=bs / r["graph_ms"] * 1e3)
-            rows.append(r)
-            log(f"  throughput {kv:5s} ctx {ctx} bs {bs:>3d}: {r['graph_ms']:.2f} ms/step, "
-                f"{r['tokens_per_s']:.0f} tok/s")
-            release(llm)
+            for pdl, gset in _variants(pdls):
+                with gemv_set(model, gset):
+                    llm = build(model, kv, bs, ctx, gemv=gemv, pdl=pdl)
+                    r = time_decode(llm, fill_random(llm, bs, ctx), replays)
+                r.update(kv=kv, context=ctx, pdl=pdl, gemv_set=gset, variant=variant_name(pdl, gset),
+                         budget_gb=budget_gb, max_batch_in_budget=top, tokens_per_s=bs / r["graph_ms"] * 1e3)
+                rows.append(r)
+                log(f"  throughput {kv:5s} ctx {ctx} bs {bs:>3d} pdl {r['variant']:11s}: "
+                    f"{r['graph_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s")
+                release(llm)
     return rows
 
 
@@ -297,8 +409,20 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite)")
     log = lambda s: print(s, flush=True)  # noqa: E731
-    res: dict = {"provenance": provenance(), "gemv": args.gemv, "note": "random weights; long contexts filled with random K/V, "
-                 "not prefilled; decode timed as CUDA-graph replays", "peak_bw": PEAK_BW, "models": {}}
+    pdls = tuple(args.pdl) if isinstance(args.pdl, list) else tuple(parse_pdl(str(args.pdl)))
+    from oscarkv.engine import triton_ops
+
+    unknown = [g for _, g in pdls if g not in triton_ops.GEMV_SETS]
+    if unknown:
+        raise SystemExit(f"--pdl: unknown GEMV set(s) {unknown}: {sorted(triton_ops.GEMV_SETS)}")
+    suites = {s.strip() for s in args.suites.split(",") if s.strip()}
+    bad = suites - {"memory", "latency", "throughput"}
+    if bad:
+        raise SystemExit(f"--suites: unknown {sorted(bad)} (memory, latency, throughput)")
+    res: dict = {"provenance": provenance(), "gemv": args.gemv, "pdl": [variant_name(*v) for v in pdls],
+                 "note": "random weights; long "
+                 "contexts filled with random K/V, not prefilled; decode timed as CUDA-graph replays",
+                 "peak_bw": PEAK_BW, "models": {}}
     def guarded(name, fn, *a):  # one failing suite must not lose the others' results
         try:
             return fn(*a)
@@ -317,13 +441,23 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         log(f"== {name}")
         model = random_model(PRESETS[name], dtype=torch.bfloat16, device="cuda")
-        entry = {"weight_bytes": model.weight_bytes(),
-                 "memory": guarded("memory", memory, model, args.throughput_context)}
+        entry = {"weight_bytes": model.weight_bytes()}
+        if "memory" in suites:
+            entry["memory"] = guarded("memory", memory, model, args.throughput_context)
         ctxs = contexts if name in full else [c for c in contexts if c in (32768, 102400)]
-        entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log, args.gemv)
-        if name in full:
+        if "latency" in suites:
+            def dump(rows, entry=entry, name=name):  # partial results, should the run be cut short
+                res["models"][name] = {**entry, "latency": rows}
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1)
+            entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log, args.gemv, pdls, dump)
+            if isinstance(entry["latency"], list):
+                table = latency_table(entry["latency"])
+                entry["latency_table"] = table
+                log(f"== {name} batch-1 decode step (CUDA-graph replay), gemv={args.gemv}\n" + "\n".join(table))
+        if name in full and "throughput" in suites:
             entry["throughput"] = guarded("throughput", throughput, model, args.throughput_context, args.budget_gb,
-                                          max(1, args.replays // 3), log, args.gemv)
+                                          max(1, args.replays // 3), log, args.gemv, pdls)
         res["models"][name] = entry
         del model
         torch.cuda.empty_cache()

@@ -377,6 +377,24 @@ class GemvConfig:
 GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
+def _fma1(split: int = 1, bn: int = 16, bk: int = 1024, nw: int = 4) -> GemvConfig:
+    return GemvConfig("fma", bn, bk, nw, 1, split_k=split)
+
+
+# Named one-row configurations per decode projection (None: gemv_config's heuristic), to compare on a GPU in a
+# chain (benchmarks/pdl_probe.py) and in the whole step (bench_e2e.py --pdl on:NAME, which enters them into
+# GEMV_CONFIGS for the model's shapes). Not measured yet: no default uses them.
+GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
+    "default": {"qkv": None, "o_proj": None, "gate_up": None, "down": None},
+    # about 2-4x the programs of the default on the small projections (8B: 768 / 1024 / 1024)
+    "splitk": {"qkv": _fma1(2), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(4)},
+    # one 16 x 1024 tile per program on the small ones: with PDL all of a program's weights load before the wait
+    "splitk1": {"qkv": _fma1(4), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(12)},
+    # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation)
+    "bn8": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
+}
+
+
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned entry for the shape if there is one, else a heuristic (compiled for sm_90, not yet timed on a
     GPU): one row "fma" 16 x 1024, 4 warps (about 80 registers: 6 programs per SM, 32 KB of weight loads in
@@ -627,4 +645,4 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
 
 
 __all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "embed_rope", "gemv", "GemvConfig", "GEMV_CONFIGS",
-           "GEMV_MAX_M", "gemv_config", "pdl_available", "HAS_GDC"]
+           "GEMV_SETS", "GEMV_MAX_M", "gemv_config", "pdl_available", "HAS_GDC"]

