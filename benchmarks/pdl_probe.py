@@ -166,6 +166,7 @@ def main() -> int:
     for chain in args.chains.split(","):
         attn = chain == "layer"
         floor = (wb + (layers.kv_bytes() if attn else 0)) / PEAK_BW * 1e3
+        ref = {}  # pdl -> the first config set's chain output (split-K sums in another order: close, not equal)
         for name in args.configs.split(","):
             cfgs = sets[name]
             outs = {}
@@ -198,6 +199,11 @@ def main() -> int:
                         row["out_max_abs_diff_vs_off"] = (outs[True] - outs[False]).abs().max().item()
                         row["out_equal_to_off"] = bool(torch.equal(outs[True], outs[False]))
                         gain += f", output {'bit-equal' if row['out_equal_to_off'] else 'DIFFERS'} vs off"
+                ref.setdefault(pdl, outs[pdl])
+                if ref[pdl] is not outs[pdl]:
+                    rel = ((outs[pdl] - ref[pdl]).norm() / ref[pdl].norm().clamp_min(1e-30)).item()
+                    row["out_rel_diff_vs_first_set"] = rel
+                    gain += f"; vs {args.configs.split(',')[0]}: rel. diff {rel:.1e}"
                 res["rows"].append(row)
                 print(f"   {chain:6s} {name:8s} {'on' if pdl else 'off':3s} | {ms:7.3f} {row['us_per_layer']:8.1f} "
                       f"{row['weight_tbs']:5.2f} {row['ratio_to_floor']:7.3f} | {gain}", flush=True)
