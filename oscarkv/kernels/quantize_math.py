@@ -276,7 +276,7 @@ def _eff(t, vl, vh, pos):
 @triton.jit
 def _group_params(lo, hi, tau, META: tl.constexpr, LEVELS: tl.constexpr, CODES: tl.constexpr):
     """Stored scale and offset of one group from its unclipped range (clamping commutes with min/max), and the
-    per-row code thresholds ``p1..p3`` (CODES 0/2/3) or code bounds ``[p1, p2]`` (CODES 1) that also apply the
+    per-row code thresholds ``p1..p3`` (CODES 0/2/3/4) or code bounds ``[p1, p2]`` (CODES 1) that also apply the
     clip and the zero-scale rule, so that the per-element work needs no clamp and no select."""
     lo_c = tl.minimum(tl.maximum(lo, -tau), tau)
     hi_c = tl.minimum(tl.maximum(hi, -tau), tau)
@@ -302,17 +302,21 @@ def _group_params(lo, hi, tau, META: tl.constexpr, LEVELS: tl.constexpr, CODES: 
         p1 = _eff(_threshold(ssafe, 1), vl, vh, pos)
         p2 = _eff(_threshold(ssafe, 2), vl, vh, pos)
         p3 = _eff(_threshold(ssafe, 3), vl, vh, pos)
-    else:
+    elif CODES == 3:
         p1 = _eff(_threshold8(ssafe, 1, META), vl, vh, pos)
         p2 = _eff(_threshold8(ssafe, 2, META), vl, vh, pos)
         p3 = _eff(_threshold8(ssafe, 3, META), vl, vh, pos)
+    else:
+        p1 = _eff(_threshold64(ssafe, 1), vl, vh, pos)
+        p2 = _eff(_threshold64(ssafe, 2), vl, vh, pos)
+        p3 = _eff(_threshold64(ssafe, 3), vl, vh, pos)
     return sc, lo_s, ssafe, p1, p2, p3
 
 
 @triton.jit
 def _codes(x, lo_s, ssafe, p1, p2, p3, CODES: tl.constexpr):
     """Codes (as float) of unclipped float32 elements ``x``: ``v = div_rn(x - lo_s, s)`` (CODES 0/1) or
-    ``v = x - lo_s`` (CODES 2/3) against the group's thresholds or bounds."""
+    ``v = x - lo_s`` (CODES 2/3/4) against the group's thresholds or bounds."""
     v = x - lo_s[:, None]
     if CODES < 2:
         v = tl.math.div_rn(v, ssafe[:, None])
@@ -349,3 +353,229 @@ def _part_codes(q, x, cols, lo_s, ssafe, p1, p2, p3, J: tl.constexpr, GI: tl.con
                 q = q + tl.where((((J * DQ + cols) // G) == GI)[None, :], c, 0.0)
     return q
 
+
+
+# ------------------------------------------------------------------- 16-bit fast path (kernel "fast16")
+@triton.jit
+def _threshold64(s, k: tl.constexpr):
+    """:func:`_threshold` without a search: ``RN(RN(a / s) + 0.5) >= k`` iff ``RN(a / s) >= u_k`` iff the real
+    quotient ``a / s`` reaches the rounding boundary ``b_k`` below ``u_k`` (half an ulp below it; ``u_1 =
+    pred(0.5)`` has an odd significand, so its tie rounds down and ``a / s`` must exceed ``b_1``). ``s * b_k`` is
+    exact in float64 (24 + 25 significant bits), and the threshold is the smallest float32 at or above it (above
+    it for ``k = 1``): one float64 product, one rounding and one compare instead of 2 to 7 divisions."""
+    s64 = s.to(tl.float64)
+    if k == 1:
+        p = s64 * 0.4999999701976776 - s64 * 1.4901161193847656e-08  # u_1 = 0x3EFFFFFF, b_1 = u_1 - 2^-26
+    elif k == 2:
+        p = s64 * 1.5 - s64 * 5.9604644775390625e-08  # b_2 = 1.5 - 2^-24
+    else:
+        p = s64 * 2.5 - s64 * 1.1920928955078125e-07  # b_3 = 2.5 - 2^-23
+    f = p.to(tl.float32)  # nearest; +inf beyond the float32 range (then never reached, as it should)
+    if k == 1:
+        up = f.to(tl.float64) <= p
+    else:
+        up = f.to(tl.float64) < p
+    return tl.where(up, (f.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), f)
+
+
+# 16-bit rows as 32-bit words (two elements each: the even one in the low half): conversions, keys and the
+# inline-assembly chains of the "fast16" kernel. Every asm helper has a plain-Triton twin with the same
+# result, used in the CPU interpreter (INTERP), so the interpreter tests check the arithmetic of the GPU path.
+@triton.jit
+def _w_lo(w, BF16: tl.constexpr):
+    """float32 value of the low (even) 16-bit element of each word."""
+    if BF16:
+        v = (w << 16).to(tl.float32, bitcast=True)
+    else:
+        v = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _w_hi(w, BF16: tl.constexpr):
+    """float32 value of the high (odd) 16-bit element of each word."""
+    if BF16:
+        v = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        v = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _h2max(a, b, BF16: tl.constexpr, MAX: tl.constexpr, INTERP: tl.constexpr):
+    """Elementwise max (MAX) or min of the two 16-bit floats of words ``a`` and ``b``, as words: one packed
+    instruction on the GPU (exact: the result is one of the inputs; finite rows)."""
+    if INTERP:
+        if MAX:
+            lo = tl.maximum(_w_lo(a, BF16), _w_lo(b, BF16))
+            hi = tl.maximum(_w_hi(a, BF16), _w_hi(b, BF16))
+        else:
+            lo = tl.minimum(_w_lo(a, BF16), _w_lo(b, BF16))
+            hi = tl.minimum(_w_hi(a, BF16), _w_hi(b, BF16))
+        r = (_f32_to16(hi, BF16) << 16) | _f32_to16(lo, BF16)
+    else:
+        if BF16:
+            if MAX:
+                r = tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                r = tl.inline_asm_elementwise("min.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        else:
+            if MAX:
+                r = tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                r = tl.inline_asm_elementwise("min.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _f32_to16(v, BF16: tl.constexpr):
+    """16-bit pattern (int32 holding 0..0xFFFF) of a float32 that is an exact 16-bit float."""
+    if BF16:
+        r = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    else:
+        r = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return r
+
+
+@triton.jit
+def _subumin(acc, a, b, INTERP: tl.constexpr):
+    """``umin(acc, a - b)`` (int32 in, unsigned compare): an asm chain so that the compiler keeps the linear
+    order, which sm_90 executes as one fused add-min (VIADDMNMX) per element; LLVM turns plain min chains
+    into trees (an add and half a 3-way min per element)."""
+    if INTERP:
+        r = tl.minimum(acc.to(tl.uint32, bitcast=True), (a - b).to(tl.uint32, bitcast=True)).to(tl.int32,
+                                                                                                 bitcast=True)
+    else:
+        r = tl.inline_asm_elementwise("{ .reg .u32 t; sub.u32 t, $2, $3; min.u32 $0, $1, t; }", "=r,r,r,r",
+                                      [acc, a, b], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _xthr(t, lo_s, BF16: tl.constexpr):
+    """Smallest 16-bit float ``y`` with ``RN32(y - lo_s) >= t`` (the element test of the threshold code
+    formulations; ``0 < t < inf``), as (float32 value, word holding its pattern in both halves).
+
+    The set is an up-set (``RN32`` is monotone) whose real boundary is ``z = lo_s + b``, ``b`` the rounding
+    boundary half a float32 ulp below ``t``. ``RN32(RN32(lo_s + t) - h)`` (``h`` that half ulp) is within a
+    float32 ulp of ``z``, or exact where ``lo_s + t`` cancels (Sterbenz) - the common case ``lo = -tau``,
+    ``scale = 2 tau / 3`` puts the code-2 boundary near 0, where 16-bit floats are dense. Neighbouring 16-bit
+    floats are 2^13 (float16) or 2^16 (bfloat16) float32 ulps apart at any magnitude, so the answer is the
+    16-bit float ``c`` nearest to that estimate, the one below ``c`` (if ``c`` passes) or the one above (if
+    not): two exact float32 tests decide. Neighbours step an integer key (sign-magnitude as two's complement,
+    both zeros 0) by one 16-bit ulp. Exhaustively cross-checked in tests/kernels/test_kernels_quantize.py."""
+    g = t - (t.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)  # ulp of float32 below t (exact)
+    z = (lo_s + t) - g * 0.5
+    if BF16:  # bfloat16 values as float32 patterns (low half 0), one ulp = 0x10000
+        b = z.to(tl.int32, bitcast=True)
+        c = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # nearest even
+        cf = c.to(tl.float32, bitcast=True)
+        k = tl.where(c >= 0, c, -(c & 0x7FFFFFFF))
+        ok = cf - lo_s >= t
+        nk = k + tl.where(ok, -65536, 65536)
+        nb = tl.where(nk >= 0, nk, (-nk) | -2147483648)
+        nf = nb.to(tl.float32, bitcast=True)
+        pick = ok & (nf - lo_s < t)  # c itself
+        bits = tl.where(pick, c, nb)
+        v = tl.where(pick, cf, nf)
+        w = bits | ((bits >> 16) & 0xFFFF)
+    else:  # float16 patterns, one ulp = 1
+        c = z.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        cf = _from16(c, False)
+        k = tl.where(c < 0x8000, c, -(c & 0x7FFF))
+        ok = cf - lo_s >= t
+        nk = k + tl.where(ok, -1, 1)
+        nb = tl.where(nk >= 0, nk, (-nk) | 0x8000)
+        nf = _from16(nb, False)
+        pick = ok & (nf - lo_s < t)
+        bits = tl.where(pick, c, nb)
+        v = tl.where(pick, cf, nf)
+        w = bits | (bits << 16)
+    return v, w
+
+
+@triton.jit
+def _xeff(t, lo_s, tau, pos, BF16: tl.constexpr):
+    """:func:`_eff` in the input domain, as a word holding a 16-bit threshold in both halves: codes count
+    ``x >= B`` for ``B`` from :func:`_xthr`, with the clip folded in (``-inf`` when ``-tau`` already passes,
+    ``+inf``, never reached by finite rows, when ``tau`` does not or the scale is 0)."""
+    bv, bw = _xthr(t, lo_s, BF16)
+    if BF16:
+        ninf = -8323200  # 0xFF80FF80
+        pinf = 0x7F807F80
+    else:
+        ninf = -67044352  # 0xFC00FC00
+        pinf = 0x7C007C00
+    return tl.where(pos & (bv <= tau), tl.where(bv <= -tau, ninf, bw), pinf)
+
+
+@triton.jit
+def _wcodes(w0, w1, w2, w3, b1, b2, b3, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """16-bit word ``byte(e) | byte(e + 1) << 8`` of the codes of the low and high elements of words
+    ``w0..w3`` (one per quarter) against the packed thresholds ``b1 <= b2 <= b3``: per quarter three packed
+    compares (masks), the code's low bit ``m1 ^ m2 ^ m3`` and high bit ``m2`` or-ed into place."""
+    if INTERP:
+        t1 = _w_lo(b1, BF16)
+        t2 = _w_lo(b2, BF16)
+        t3 = _w_lo(b3, BF16)
+        lo = _xq(_w_lo(w0, BF16), t1, t2, t3) | (_xq(_w_lo(w1, BF16), t1, t2, t3) << 2) \
+            | (_xq(_w_lo(w2, BF16), t1, t2, t3) << 4) | (_xq(_w_lo(w3, BF16), t1, t2, t3) << 6)
+        hi = _xq(_w_hi(w0, BF16), t1, t2, t3) | (_xq(_w_hi(w1, BF16), t1, t2, t3) << 2) \
+            | (_xq(_w_hi(w2, BF16), t1, t2, t3) << 4) | (_xq(_w_hi(w3, BF16), t1, t2, t3) << 6)
+        r = lo | (hi << 8)
+    else:
+        if BF16:
+            r = tl.inline_asm_elementwise(_WCODES_BF16, "=r,r,r,r,r,r,r,r", [w0, w1, w2, w3, b1, b2, b3],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise(_WCODES_F16, "=r,r,r,r,r,r,r,r", [w0, w1, w2, w3, b1, b2, b3],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _xq(x, t1, t2, t3):
+    return (x >= t1).to(tl.int32) + (x >= t2).to(tl.int32) + (x >= t3).to(tl.int32)
+
+
+def _wcodes_asm(ty: str) -> str:
+    body = []
+    for j in range(4):
+        body.append(f"set.ge.u32.{ty} m1, ${j + 1}, $5; set.ge.u32.{ty} m2, ${j + 1}, $6; "
+                    f"set.ge.u32.{ty} m3, ${j + 1}, $7; xor.b32 x, m1, m2; xor.b32 x, x, m3; "
+                    f"and.b32 x, x, {0x00010001 << 2 * j:#010x}; and.b32 m2, m2, {0x00020002 << 2 * j:#010x}; "
+                    + ("or.b32 a, x, m2; " if j == 0 else "or.b32 a, a, x; or.b32 a, a, m2; "))
+    return "{ .reg .b32 m1, m2, m3, x, a; " + "".join(body) + "prmt.b32 $0, a, 0, 0x4420; }"
+
+
+_WCODES_BF16 = tl.constexpr(_wcodes_asm("bf16x2"))
+_WCODES_F16 = tl.constexpr(_wcodes_asm("f16x2"))
+
+
+@triton.jit
+def _group_params_x(lo, hi, tau, META: tl.constexpr, CODES: tl.constexpr, BF16: tl.constexpr):
+    """:func:`_group_params` (2-bit, one group per row) for 16-bit rows, with the code thresholds in the input
+    domain (:func:`_xeff`, packed words) instead of on ``v = x - lo_s``."""
+    lo_c = tl.minimum(tl.maximum(lo, -tau), tau)
+    hi_c = tl.minimum(tl.maximum(hi, -tau), tau)
+    sc = _round_meta(tl.math.div_rn(hi_c - lo_c, tl.full(lo.shape, 3.0, tl.float32)), META)
+    lo_s = _round_meta(lo_c, META)
+    pos = sc > 0.0
+    ss = tl.where(pos, sc, 1.0)
+    if CODES == 4:
+        t1 = _threshold64(ss, 1)
+        t2 = _threshold64(ss, 2)
+        t3 = _threshold64(ss, 3)
+    elif CODES == 3:
+        t1 = _threshold8(ss, 1, META)
+        t2 = _threshold8(ss, 2, META)
+        t3 = _threshold8(ss, 3, META)
+    else:
+        t1 = _threshold(ss, 1)
+        t2 = _threshold(ss, 2)
+        t3 = _threshold(ss, 3)
+    return sc, lo_s, _xeff(t1, lo_s, tau, pos, BF16), _xeff(t2, lo_s, tau, pos, BF16), _xeff(t3, lo_s, tau, pos, BF16)

@@ -23,21 +23,26 @@ import triton
 import triton.language as tl
 
 from ..quant import clip_index
-from ._triton_util import check_device, check_kv_formats, check_pool_strides, next_pow2
+from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2
 from .layout import QuantPages
-from .quantize_math import (_codes, _group_params, _max4, _min4, _part_codes, _part_range, _round_meta, _store_meta,
-                            _tau_f32, _tau_key16, _tau_sort, _threshold, _to_f32)
+from .quantize_math import (_codes, _from16, _group_params, _group_params_x, _h2max, _max4, _min4, _part_codes,
+                            _part_range, _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold,
+                            _to_f32, _w_hi, _w_lo, _wcodes)
 from .reference import channel_page_ids
 
 _META_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # code formulations: 0 = one div_rn per element, compared with the rounding boundaries (2-bit default);
 # 1 = one div_rn per element, floor + clamp (4-bit default); 2, 3 = per-row exact thresholds (no division per
-# element), found by a 7-probe search within +-64 ulps (2) or a 2-probe search within a few ulps (3)
-_CODE_FORMS = {"code_div": 0, "code_floor": 1, "code_thr": 2, "code_thr8": 3}
+# element), found by a 7-probe search within +-64 ulps (2), a 2-probe search within a few ulps (3) or from the
+# exact float64 product of the scale and the rounding boundary (4, no division)
+_CODE_FORMS = {"code_div": 0, "code_floor": 1, "code_thr": 2, "code_thr8": 3, "code_thr64": 4}
 # clip order statistic, forced (default: the cheapest for the ratio): 1 top-down extraction, 2 bottom-up,
 # 3 bitwise bisection, 4 bitonic sort (a slow independent cross-check)
 _CLIP_FORMS = {"clip_top": 1, "clip_bottom": 2, "clip_bisect": 3, "clip_sort": 4}
-_TUNING = ("block_r", "warps", "bpp", "prefetch")
+_TUNING = ("block_r", "warps", "bpp", "prefetch", "split", "hred")
+# kernels: "rows" (_quantize_kv_kernel, every format) or "fast16" (_quant16_kernel: 16-bit rows without mean or
+# rotation, 2-bit, one group per row, d/8 a power of two, d <= 256; other launches fall back to "rows")
+_KERNELS = ("rows", "fast16")
 
 
 # ------------------------------------------------------------------------------------------- token pages
@@ -225,6 +230,302 @@ def _quantize_kv_kernel(
                     CLIP_SORT, PREFETCH)
 
 
+# ------------------------------------------------------------------------------- 16-bit rows, fast path
+# A row of d 16-bit floats is read as d/2 int32 words (16-byte loads), four quarters of d/8 words, each split
+# into SPLIT column blocks (SPLIT 2: a row spans half as many threads, so the per-row scalar work and the
+# cross-thread reductions are shared by fewer threads). Word c of block (j, s) holds elements e and e + 1,
+# e = j d/4 + s d/(4 SPLIT) + 2c, in its low and high half; its code bytes are bytes e - j d/4 and the next of
+# the row's packed codes, stored as one 16-bit word.
+@triton.jit
+def _wkeys(w, e, E0: tl.constexpr):
+    """Unique int32 keys ``|x| bits << 16 | index`` (below 2^31) of the low and high elements of words ``w``
+    whose low element has index ``e + E0`` (``e`` opaque to the compiler: see :func:`_opaque`)."""
+    a = w & 0x7FFF7FFF
+    return (a << 16) + e + E0, (a & -65536) + e + (E0 + 1)
+
+
+@triton.jit
+def _opaque(w, x, INTERP: tl.constexpr):
+    """``x`` (broadcast to the shape and layout of ``w``), through an impure no-op on the GPU, so that values
+    derived from it (the key indices) are built where they are used instead of being hoisted out of the row
+    loop into a register each (221 registers per thread at split 2)."""
+    if INTERP:
+        r = x + (w & 0)
+    else:
+        r = tl.inline_asm_elementwise("mov.b32 $0, $2;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=False, pack=1)
+    return r
+
+
+@triton.jit
+def _wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT: tl.constexpr, BF16: tl.constexpr, MAX: tl.constexpr,
+            HRED: tl.constexpr, INTERP: tl.constexpr):
+    """Per-row max (MAX) or min of the 16-bit elements, float32: packed max/min across the word blocks, then
+    across the thread's words and the row's threads in float32."""
+    r = _h2max(_h2max(w0, w1, BF16, MAX, INTERP), _h2max(w2, w3, BF16, MAX, INTERP), BF16, MAX, INTERP)
+    if SPLIT == 2:
+        r = _h2max(r, _h2max(_h2max(w4, w5, BF16, MAX, INTERP), _h2max(w6, w7, BF16, MAX, INTERP), BF16, MAX,
+                                 INTERP), BF16, MAX, INTERP)
+    if INTERP or not HRED:
+        if MAX:
+            v = tl.max(tl.maximum(_w_lo(r, BF16), _w_hi(r, BF16)), axis=1)
+        else:
+            v = tl.min(tl.minimum(_w_lo(r, BF16), _w_hi(r, BF16)), axis=1)
+    else:  # HRED: packed across the thread's words and the row's threads too (asm in a reduce), then halves
+        if BF16:
+            if MAX:
+                r = tl.reduce(r, 1, _bmax)
+            else:
+                r = tl.reduce(r, 1, _bmin)
+        else:
+            if MAX:
+                r = tl.reduce(r, 1, _fmax)
+            else:
+                r = tl.reduce(r, 1, _fmin)
+        if MAX:
+            v = tl.maximum(_w_lo(r, BF16), _w_hi(r, BF16))
+        else:
+            v = tl.minimum(_w_lo(r, BF16), _w_hi(r, BF16))
+    return v
+
+
+@triton.jit
+def _bmax(a, b):
+    return _h2max(a, b, True, True, False)
+
+
+@triton.jit
+def _bmin(a, b):
+    return _h2max(a, b, True, False, False)
+
+
+@triton.jit
+def _fmax(a, b):
+    return _h2max(a, b, False, True, False)
+
+
+@triton.jit
+def _fmin(a, b):
+    return _h2max(a, b, False, False, False)
+
+
+@triton.jit
+def _wfold(acc, c, k, TOP: tl.constexpr, INTERP: tl.constexpr):
+    """``umin(acc, c - k)`` (TOP: the next key below ``c + 1``) or ``umin(acc, k - c)`` (the next above)."""
+    if TOP:
+        r = _subumin(acc, c, k, INTERP)
+    else:
+        r = _subumin(acc, k, c, INTERP)
+    return r
+
+
+@triton.jit
+def _wstep(c, k0, k1, k2, k3, k4, k5, k6, k7, TOP: tl.constexpr, INTERP: tl.constexpr):
+    """One linear ``umin`` chain over eight key tensors (``c`` broadcast to their shape)."""
+    if TOP:
+        acc = c - k0
+    else:
+        acc = k0 - c
+    acc = _wfold(acc, c, k1, TOP, INTERP)
+    acc = _wfold(acc, c, k2, TOP, INTERP)
+    acc = _wfold(acc, c, k3, TOP, INTERP)
+    acc = _wfold(acc, c, k4, TOP, INTERP)
+    acc = _wfold(acc, c, k5, TOP, INTERP)
+    acc = _wfold(acc, c, k6, TOP, INTERP)
+    acc = _wfold(acc, c, k7, TOP, INTERP)
+    return acc
+
+
+@triton.jit
+def _wcount(k0, k1, k2, k3, k4, k5, k6, k7, cand):
+    """Per-row count of keys below ``cand`` (keys and ``cand`` compared as non-negative floats)."""
+    f = cand[:, None]
+    return tl.sum(tl.where(k0.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k1.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k2.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k3.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k4.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k5.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k6.to(tl.float32, bitcast=True) < f, 1.0, 0.0)
+                  + tl.where(k7.to(tl.float32, bitcast=True) < f, 1.0, 0.0), axis=1)
+
+
+@triton.jit
+def _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ: tl.constexpr, SPLIT: tl.constexpr,
+          BF16: tl.constexpr, INTERP: tl.constexpr):
+    """``idx``-th smallest ``|x|`` of the rows (float32): mode 1 the max key, then ``n`` steps
+    ``m <- max{key < m}``; mode 2 the min key, then ``n`` steps ``m <- min{key > m}``; mode 3 bisection on the
+    15 bits of ``|x|`` (counts of keys below a candidate)."""
+    SB: tl.constexpr = DQ // SPLIT  # elements per block
+    e = _opaque(w0, 2 * wc[None, :], INTERP)
+    a0, b0 = _wkeys(w0, e, 0)
+    a1, b1 = _wkeys(w1, e, DQ)
+    a2, b2 = _wkeys(w2, e, 2 * DQ)
+    a3, b3 = _wkeys(w3, e, 3 * DQ)
+    if SPLIT == 2:
+        a4, b4 = _wkeys(w4, e, SB)
+        a5, b5 = _wkeys(w5, e, DQ + SB)
+        a6, b6 = _wkeys(w6, e, 2 * DQ + SB)
+        a7, b7 = _wkeys(w7, e, 3 * DQ + SB)
+    else:  # placeholders, never used
+        a4, b4, a5, b5, a6, b6, a7, b7 = a0, b0, a1, b1, a2, b2, a3, b3
+    if mode == 1:
+        m = tl.max(tl.maximum(tl.maximum(tl.maximum(a0, b0), tl.maximum(a1, b1)),
+                              tl.maximum(tl.maximum(a2, b2), tl.maximum(a3, b3))), axis=1)
+        if SPLIT == 2:
+            m = tl.maximum(m, tl.max(tl.maximum(tl.maximum(tl.maximum(a4, b4), tl.maximum(a5, b5)),
+                                                tl.maximum(tl.maximum(a6, b6), tl.maximum(a7, b7))), axis=1))
+        for _ in range(n):
+            c = (m - 1)[:, None] + tl.zeros_like(a0)
+            acc = _wstep(c, a0, b0, a1, b1, a2, b2, a3, b3, True, INTERP)
+            if SPLIT == 2:
+                acc = tl.minimum(acc.to(tl.uint32, bitcast=True), _wstep(c, a4, b4, a5, b5, a6, b6, a7, b7, True,
+                                                                        INTERP).to(tl.uint32, bitcast=True))
+            m = m - 1 - tl.min(acc.to(tl.uint32, bitcast=True), axis=1).to(tl.int32, bitcast=True)
+        a16 = m >> 16
+    elif mode == 2:
+        m = tl.min(tl.minimum(tl.minimum(tl.minimum(a0, b0), tl.minimum(a1, b1)),
+                              tl.minimum(tl.minimum(a2, b2), tl.minimum(a3, b3))), axis=1)
+        if SPLIT == 2:
+            m = tl.minimum(m, tl.min(tl.minimum(tl.minimum(tl.minimum(a4, b4), tl.minimum(a5, b5)),
+                                                tl.minimum(tl.minimum(a6, b6), tl.minimum(a7, b7))), axis=1))
+        for _ in range(n):
+            c = (m + 1)[:, None] + tl.zeros_like(a0)
+            acc = _wstep(c, a0, b0, a1, b1, a2, b2, a3, b3, False, INTERP)
+            if SPLIT == 2:
+                acc = tl.minimum(acc.to(tl.uint32, bitcast=True), _wstep(c, a4, b4, a5, b5, a6, b6, a7, b7, False,
+                                                                        INTERP).to(tl.uint32, bitcast=True))
+            m = m + 1 + tl.min(acc.to(tl.uint32, bitcast=True), axis=1).to(tl.int32, bitcast=True)
+        a16 = m >> 16
+    else:
+        a16 = tl.zeros([w0.shape[0]], tl.int32)
+        for b in tl.static_range(14, -1, -1):
+            cand = ((a16 | (1 << b)) << 16).to(tl.float32, bitcast=True)  # never beyond +inf (finite rows)
+            cnt = _wcount(a0, b0, a1, b1, a2, b2, a3, b3, cand)
+            if SPLIT == 2:
+                cnt += _wcount(a4, b4, a5, b5, a6, b6, a7, b7, cand)
+            a16 = tl.where(cnt <= idx, a16 | (1 << b), a16)
+    return _from16(a16, BF16)
+
+
+@triton.jit
+def _wload(xw_ptr, sx0, sx1, sxh, idx0_ptr, idx1_ptr, slots_ptr, N, blk, h, wc, DQ: tl.constexpr,
+           SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr):
+    """Slots and the word blocks of row block ``blk`` (strides in 16-bit elements, all even)."""
+    HW: tl.constexpr = DQ // 2
+    SW: tl.constexpr = HW // SPLIT
+    rows = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    slot = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    if GATHER:
+        lmask = rmask & (slot >= 0)
+        i0 = tl.load(idx0_ptr + rows, mask=lmask, other=0).to(tl.int64)
+        i1 = tl.load(idx1_ptr + rows, mask=lmask, other=0).to(tl.int64)
+        xbase = i0 * sx0 + i1 * sx1 + h * sxh
+    else:
+        lmask = rmask
+        xbase = rows.to(tl.int64) * sx0 + h * sxh
+    p = xw_ptr + (xbase >> 1)[:, None] + wc[None, :]
+    lm = lmask[:, None]
+    w0 = tl.load(p, mask=lm)  # rows not loaded hold garbage: they are never written, and rows never mix
+    w1 = tl.load(p + HW, mask=lm)
+    w2 = tl.load(p + 2 * HW, mask=lm)
+    w3 = tl.load(p + 3 * HW, mask=lm)
+    if SPLIT == 2:
+        w4 = tl.load(p + SW, mask=lm)
+        w5 = tl.load(p + HW + SW, mask=lm)
+        w6 = tl.load(p + 2 * HW + SW, mask=lm)
+        w7 = tl.load(p + 3 * HW + SW, mask=lm)
+    else:
+        w4, w5, w6, w7 = w0, w1, w2, w3
+    return slot, w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw_ptr, scale_ptr, offset_ptr,
+              sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, N, DQ: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK_R: tl.constexpr, META: tl.constexpr, CODES: tl.constexpr, BF16: tl.constexpr,
+              HRED: tl.constexpr, INTERP: tl.constexpr):
+    """Quantize one row block of 16-bit words; write codes and metadata into the slots."""
+    SW: tl.constexpr = DQ // 2 // SPLIT
+    rows = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = (rows < N) & (slot >= 0)  # negative slot = padding row: never written
+    lo = _wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, False, HRED, INTERP)
+    hi = _wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, HRED, INTERP)
+    tau = tl.full([BLOCK_R], float("inf"), tl.float32)
+    if mode > 0:
+        tau = _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ, SPLIT, BF16, INTERP)
+    sc, lo_s, b1, b2, b3 = _group_params_x(lo, hi, tau, META, CODES, BF16)
+    page = slot // PAGE
+    prow = slot % PAGE
+    mrow = page * sm_p + h * sm_h + prow * sm_r
+    _store_meta(scale_ptr + mrow, sc, valid)
+    _store_meta(offset_ptr + mrow, lo_s, valid)
+    cbase = ((page * sc_p + h * sc_h + prow * sc_r) >> 1)[:, None]  # in 16-bit words
+    ccol = tl.max_contiguous(tl.multiple_of(wc, SW), SW)  # stores in the layout of the words
+    sm = valid[:, None]
+    z = tl.zeros_like(w0)
+    b1 = b1[:, None] + z
+    b2 = b2[:, None] + z
+    b3 = b3[:, None] + z
+    tl.store(cw_ptr + cbase + ccol[None, :], _wcodes(w0, w1, w2, w3, b1, b2, b3, BF16, INTERP).to(tl.int16),
+             mask=sm)
+    if SPLIT == 2:
+        tl.store(cw_ptr + cbase + SW + ccol[None, :],
+                 _wcodes(w4, w5, w6, w7, b1, b2, b3, BF16, INTERP).to(tl.int16), mask=sm)
+
+
+@triton.jit
+def _wside(x_ptr, sx0, sx1, sxh, mode, n, idx, codes_ptr, scale_ptr, offset_ptr, idx0_ptr, idx1_ptr,
+           sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, slots_ptr, N, h, DQ: tl.constexpr, SPLIT: tl.constexpr,
+           PAGE: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr, META: tl.constexpr,
+           CODES: tl.constexpr, PREFETCH: tl.constexpr, HRED: tl.constexpr, INTERP: tl.constexpr):
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    SW: tl.constexpr = DQ // 2 // SPLIT
+    xw = x_ptr.to(tl.pointer_type(tl.int32))
+    cw = codes_ptr.to(tl.pointer_type(tl.int16))
+    wc = tl.arange(0, SW)
+    pid = tl.program_id(0)
+    npr = tl.num_programs(0)
+    nblk = tl.cdiv(N, BLOCK_R)
+    if PREFETCH:
+        slot, w0, w1, w2, w3, w4, w5, w6, w7 = _wload(xw, sx0, sx1, sxh, idx0_ptr, idx1_ptr, slots_ptr, N, pid, h,
+                                                      wc, DQ, SPLIT, BLOCK_R, GATHER)
+        for blk in range(pid, nblk, npr):
+            ns, n0, n1, n2, n3, n4, n5, n6, n7 = _wload(xw, sx0, sx1, sxh, idx0_ptr, idx1_ptr, slots_ptr, N,
+                                                        blk + npr, h, wc, DQ, SPLIT, BLOCK_R, GATHER)
+            _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw, scale_ptr, offset_ptr,
+                      sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, N, DQ, SPLIT, PAGE, BLOCK_R, META, CODES, BF16, HRED, INTERP)
+            slot, w0, w1, w2, w3, w4, w5, w6, w7 = ns, n0, n1, n2, n3, n4, n5, n6, n7
+    else:
+        for blk in range(pid, nblk, npr):
+            slot, w0, w1, w2, w3, w4, w5, w6, w7 = _wload(xw, sx0, sx1, sxh, idx0_ptr, idx1_ptr, slots_ptr, N,
+                                                          blk, h, wc, DQ, SPLIT, BLOCK_R, GATHER)
+            _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw, scale_ptr, offset_ptr,
+                      sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, N, DQ, SPLIT, PAGE, BLOCK_R, META, CODES, BF16, HRED, INTERP)
+
+
+@triton.jit(do_not_specialize=["kmode", "kn", "kidx", "vmode", "vn", "vidx", "N"])
+def _quant16_kernel(
+    kx, ksx0, ksx1, ksxh, kmode, kn, kidx, kcodes, kscale, koffset,
+    vx, vsx0, vsx1, vsxh, vmode, vn, vidx, vcodes, vscale, voffset,
+    idx0_ptr, idx1_ptr, sc_p, sc_h, sc_r, sm_p, sm_h, sm_r, slots_ptr, N,
+    DQ: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
+    META: tl.constexpr, CODES: tl.constexpr, PREFETCH: tl.constexpr, SIDE0: tl.constexpr, HRED: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """The "fast16" kernel: :func:`_quantize_kv_kernel` for 16-bit rows without mean (2-bit codes, one group
+    per row), on 32-bit words (see above)."""
+    h = tl.program_id(1)
+    if tl.program_id(2) + SIDE0 == 0:
+        _wside(kx, ksx0, ksx1, ksxh, kmode, kn, kidx, kcodes, kscale, koffset, idx0_ptr, idx1_ptr, sc_p, sc_h,
+               sc_r, sm_p, sm_h, sm_r, slots_ptr, N, h, DQ, SPLIT, PAGE, BLOCK_R, GATHER, META, CODES, PREFETCH,
+               HRED, INTERP)
+    else:
+        _wside(vx, vsx0, vsx1, vsxh, vmode, vn, vidx, vcodes, vscale, voffset, idx0_ptr, idx1_ptr, sc_p, sc_h,
+               sc_r, sm_p, sm_h, sm_r, slots_ptr, N, h, DQ, SPLIT, PAGE, BLOCK_R, GATHER, META, CODES, PREFETCH,
+               HRED, INTERP)
+
+
 # ----------------------------------------------------------------------------------------- channel pages
 @triton.jit
 def _quant_channel_kernel(
@@ -329,7 +630,7 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
     # 2-bit codes by per-row thresholds (code_thr8): measured 0.113 ms vs 0.158 ms with one division per element
     # (H200, 32768 rows x 8 heads, K+V, clip; docs/results/kernels_h200.md), bit-identical
     opt = {"codes": 3 if bits == 2 else 1, "clip": 0, "block_r": 32, "warps": 4, "bpp": 4,
-           "prefetch": 0}
+           "prefetch": 0, "kernel": "rows", "split": 1, "hred": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
     for v in variant:
@@ -343,19 +644,23 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
             opt["codes"] = form
         elif not val and name in _CLIP_FORMS:
             opt["clip"] = _CLIP_FORMS[name]
+        elif not val and name in _KERNELS:
+            opt["kernel"] = name
         elif val and name in _TUNING:
             try:
                 opt[name] = int(val)
             except ValueError:
                 raise ValueError(f"variant {v!r}: {name} needs an integer value") from None
         else:
-            raise ValueError(f"unknown variant {v!r}: use {sorted(_CODE_FORMS)}, {sorted(_CLIP_FORMS)} or "
-                             f"name=int for {list(_TUNING)}")
+            raise ValueError(f"unknown variant {v!r}: use {sorted(_CODE_FORMS)}, {sorted(_CLIP_FORMS)}, "
+                             f"{list(_KERNELS)} or name=int for {list(_TUNING)}")
     b = opt["block_r"]
     if b < 16 or b & (b - 1) or b > 256:
         raise ValueError(f"block_r must be a power of two in [16, 256], got {b}")
     if opt["warps"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {opt['warps']}")
+    if opt["split"] not in (1, 2) or opt["hred"] not in (0, 1):
+        raise ValueError(f"split must be 1 or 2 and hred 0 or 1, got {opt['split']} and {opt['hred']}")
     if opt["bpp"] < 1 or opt["prefetch"] not in (0, 1):
         raise ValueError(f"bpp must be >= 1 and prefetch 0 or 1, got {opt['bpp']} and {opt['prefetch']}")
     return opt
@@ -399,6 +704,9 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         raise ValueError(f"the Triton quantize kernel needs head_dim % 4 == 0 (row quarters), got {d}; "
                          "use the reference")
     opt = _parse_variant(variant, fmt.bits)
+    if opt["kernel"] == "fast16" and not any(v.startswith("block_r=") for v in variant):
+        # one row spans d / (32 split) threads: fill the CTA without replication
+        opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
     chan = fmt.channel
     if k_rotation is not None and not chan:
         raise ValueError("the row kernel takes rotated rows: a K rotation is fused only into channel pages")
@@ -435,6 +743,17 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
     block_r = opt["block_r"]
     nblk = triton.cdiv(n, block_r)
     grid = (max(1, triton.cdiv(nblk, opt["bpp"])), hkv, 1 if chan else 2)
+    if fast16_ok(opt, k_pages, v_pages, None if chan else k, v, k_strides, v_strides, None if chan else k_mean,
+                 v_mean, debug_rows):
+        _quant16_kernel[grid](
+            k, *k_strides[:3], kmode, kcount, kidx, k_pages.codes, k_pages.scale, k_pages.offset,
+            v, *v_strides[:3], vmode, vcount, vidx, v_pages.codes, v_pages.scale, v_pages.offset,
+            idx0, idx1, cs[0], cs[1], cs[2], ms[0], ms[1], ms[2], slots, n,
+            DQ=dq, SPLIT=opt["split"], PAGE=fmt.page_size, BLOCK_R=block_r, GATHER=gather, META=meta,
+            CODES=opt["codes"], PREFETCH=bool(opt["prefetch"]), SIDE0=1 if chan else 0, HRED=bool(opt["hred"]),
+            INTERP=interpreting(), num_warps=opt["warps"],
+        )
+        return
     _quantize_kv_kernel[grid](
         k, *k_strides, kmu, kmode, kcount, kidx, k_pages.codes, k_pages.scale, k_pages.offset, kdbg,
         v, *v_strides, vmu, vmode, vcount, vidx, v_pages.codes, v_pages.scale, v_pages.offset, vdbg,
@@ -445,6 +764,29 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         DEBUG=debug_rows is not None, CODES=opt["codes"], CLIP_SORT=opt["clip"] == 4, PREFETCH=bool(opt["prefetch"]),
         SIDE0=1 if chan else 0, num_warps=opt["warps"],
     )
+
+
+def fast16_ok(opt: dict, k_pages: QuantPages, v_pages: QuantPages, k: Tensor | None, v: Tensor, k_strides,
+              v_strides, k_mean, v_mean, debug_rows) -> bool:
+    """Whether the "fast16" kernel serves this launch (else the general row kernel does): asked for; 16-bit
+    rows (bfloat16 or float16) without mean on both sides (``k`` None: keys go to channel pages), read as 32-bit
+    words (contiguous rows, even strides, 4-byte aligned); 2-bit codes, one group per row, ``d/8`` a power of
+    two with ``d/8 >= 4 * split`` (16-byte word blocks) and ``d <= 256`` (8 index bits in the keys), codes
+    written as 16-bit words (even strides); no debug rows; a per-row threshold code formulation; no sort."""
+    fmt = v_pages.fmt
+    d = fmt.head_dim
+    wq = d // 8  # words per quarter
+    if not (opt["kernel"] == "fast16" and k_mean is None and v_mean is None and debug_rows is None
+            and fmt.bits == 2 and fmt.groups == 1 and d <= 256 and wq & (wq - 1) == 0 and wq >= 4 * opt["split"]
+            and opt["codes"] >= 2 and opt["clip"] != 4):
+        return False
+    sides = [(v, v_strides, v_pages)] + ([] if k is None else [(k, k_strides, k_pages)])
+    for x, st, pages in sides:
+        if x.dtype not in (torch.float16, torch.bfloat16) or st[3] != 1 or any(s % 2 for s in st[:3]):
+            return False
+        if x.data_ptr() % 4 or pages.codes.data_ptr() % 2 or any(s % 2 for s in pages.codes.stride()[:3]):
+            return False
+    return True
 
 
 def _as_slots(slots: Tensor, n: int, device: torch.device) -> Tensor:
@@ -539,4 +881,4 @@ def demote_triton(
             debug_rows=None, gather=True, variant=variant, check_pages=check_pages)
 
 
-__all__ = ["quantize_write_triton", "demote_triton", "clip_plan"]
+__all__ = ["quantize_write_triton", "demote_triton", "clip_plan", "fast16_ok"]

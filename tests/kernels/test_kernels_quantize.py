@@ -295,12 +295,12 @@ def test_clip_sort_cross_check():
 @pytest.mark.parametrize("bits,group,meta", [(2, None, torch.float16), (2, 32, torch.bfloat16), (2, 16, torch.float32),
                                              (4, None, torch.float16), (4, 16, torch.bfloat16)])
 def test_code_formulations_bit_exact(bits, group, meta):
-    """Division + boundaries (default), division + floor, and both per-row threshold searches, with and
-    without clip, groups inside and across quarters (d = 96, G = 32 or 16)."""
+    """Division + boundaries (default), division + floor, both per-row threshold searches and the float64
+    thresholds, with and without clip, groups inside and across quarters (d = 96, G = 32 or 16)."""
     d = 96 if group != 16 else 64
     x = _tie_rows(12 if not GPU else 400, HKV, d, torch.bfloat16)
     v = torch.randn(x.shape) * 5 + 2
-    forms = [(), ("code_floor",)] + ([("code_thr",), ("code_thr8",)] if bits == 2 else [])
+    forms = [(), ("code_floor",)] + ([("code_thr",), ("code_thr8",), ("code_thr64",)] if bits == 2 else [])
     for form in forms:
         _round_trip(x, 0.9, 0.0, form, bits=bits, group=group, meta=meta, v=v)
         _round_trip(x, 0.0, 0.95, form, bits=bits, group=group, meta=meta, v=v)
@@ -349,6 +349,8 @@ def test_variants_validated():
     kp4, vp4 = _pools(fmt4, 2)
     with pytest.raises(ValueError, match="2-bit"):
         quantize_write_triton(kp4, vp4, x, x, s, variant=("code_thr8",))
+    with pytest.raises(ValueError, match="2-bit"):
+        quantize_write_triton(kp4, vp4, x, x, s, variant=("code_thr64",))
     fmt6 = PageFormat(num_kv_heads=1, head_dim=6, page_size=16, bits=4)
     kp6, vp6 = _pools(fmt6, 2)
     with pytest.raises(ValueError, match="head_dim % 4"):

@@ -1,0 +1,349 @@
+"""The "fast16" quantize kernel (16-bit rows read as 32-bit words, int32-key clip extraction, per-row thresholds
+in the input dtype, packed compares): bit-exact with the reference quantizer (computed on the CPU) for every
+knob, order statistic and edge row, and its per-row threshold helpers checked against brute force.
+
+On the CPU the kernels run in Triton's interpreter, where every inline-assembly helper is replaced by its
+plain-Triton twin (``INTERP``); the GPU test at the end runs the assembly at the benchmark's shape."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from kernel_helpers import DEVICE, poisoned_pages
+
+from oscarkv.kernels import quantize_math as qm
+from oscarkv.kernels.layout import PageFormat
+from oscarkv.kernels.quantize_triton import _parse_variant, demote_triton, fast16_ok, quantize_write_triton
+from oscarkv.kernels.reference import demote_ref, quantize_write_ref
+
+GPU = DEVICE.type == "cuda"
+HKV = 8 if GPU else 2
+
+
+def _cpu_copy(pages):
+    return type(pages)(pages.codes.cpu().clone(), pages.scale.cpu().clone(), pages.offset.cpu().clone(), pages.fmt)
+
+
+def _bits(t):
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+def _assert_same(a, b, what=""):
+    for name in ("codes", "scale", "offset"):
+        assert torch.equal(_bits(getattr(a, name)), _bits(getattr(b, name))), f"{what}: {name} differ"
+
+
+def _round_trip(x, v, k_clip, v_clip, variant, meta=torch.float16, page_size=16, n_pages=None):
+    """K = ``x``, V = ``v`` through the kernel and the reference into independent poisoned pools (random
+    slots: partially filled pages; one padding row), compared bit for bit; also checks fast16 served it."""
+    n, hkv, d = x.shape
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, meta_dtype=meta)
+    npages = n_pages or n // 4 + 2
+    kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    slots = torch.randperm(npages * page_size)[:n].to(DEVICE)
+    slots[n // 3] = -1
+    xd, vd = x.to(DEVICE), v.to(DEVICE)
+    st = (xd.stride(0), 0, xd.stride(1), xd.stride(2))
+    assert fast16_ok(_parse_variant(variant, 2), kp, vp, xd, vd, st, st, None, None, None), variant
+    quantize_write_triton(kp, vp, xd, vd, slots, k_clip=k_clip, v_clip=v_clip, variant=variant)
+    quantize_write_ref(kr, x.cpu(), slots.cpu(), clip_ratio=k_clip)
+    quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=v_clip)
+    _assert_same(kp, kr, f"K {variant} {k_clip}")
+    _assert_same(vp, vr, f"V {variant} {v_clip}")
+
+
+def _edge_rows(n, hkv, d, dtype, seed=0):
+    """Gaussian rows, rows of small integers (ties everywhere), a row of four repeated values, a constant row,
+    a row of zeros and signed zeros with a few values, a row with one huge outlier, near-symmetric rows (the
+    code-2 boundary of a clipped row sits next to 0) holding tiny values and exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hkv, d, generator=g) * 3
+    x[1::4] = x[1::4].round()
+    x[2, 0] = torch.tensor([0.0, 1.0, -1.0, 2.0])[torch.randint(0, 4, (d,), generator=g)]
+    x[0, -1] = 0.75
+    if n > 3:
+        x[3, 0] = 0.0
+        x[3, 0, :3] = torch.tensor([-0.0, 1.5, -2.0])
+        x[3, -1] = torch.randn(d, generator=g) * 1e-3
+        x[3, -1, 5] = 1e4
+    for i in range(5, n, 4):  # symmetric extremes, values clustered around 0
+        a = float(torch.rand(1, generator=g)) * 4 + 0.5
+        row = torch.randn(hkv, d, generator=g) * torch.tensor([1e-3, 1e-6, 1e-30, 0.3])[i % 4]
+        row[:, 0], row[:, 1], row[:, 2] = a, -a, 0.0
+        x[i] = row
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------------------- dispatch rules
+def test_fast16_serves_only_supported_launches():
+    fmt = PageFormat(num_kv_heads=2, head_dim=128, page_size=16)
+    kp = poisoned_pages(fmt, 2, DEVICE)
+    x = torch.zeros(8, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    st = (x.stride(0), 0, x.stride(1), x.stride(2))
+    opt = _parse_variant(("fast16",), 2)
+    assert fast16_ok(opt, kp, kp, x, x, st, st, None, None, None)
+    assert fast16_ok(opt, kp, kp, x.half(), x.half(), st, st, None, None, None)
+    assert not fast16_ok(_parse_variant((), 2), kp, kp, x, x, st, st, None, None, None)  # not asked for
+    assert not fast16_ok(opt, kp, kp, x.float(), x, st, st, None, None, None)  # float32 rows
+    assert not fast16_ok(opt, kp, kp, x, x, st, st, torch.zeros(2, 128), None, None)  # a mean
+    assert not fast16_ok(opt, kp, kp, x, x, st, st, None, None, (x, x))  # debug rows
+    assert not fast16_ok(opt, kp, kp, x, x, st, (1, 0, 128, 2), None, None, None)  # strided elements
+    assert not fast16_ok(_parse_variant(("fast16", "code_div"), 2), kp, kp, x, x, st, st, None, None, None)
+    assert not fast16_ok(_parse_variant(("fast16", "clip_sort"), 2), kp, kp, x, x, st, st, None, None, None)
+    for fmt2 in (PageFormat(num_kv_heads=2, head_dim=128, page_size=16, group_size=32),
+                 PageFormat(num_kv_heads=2, head_dim=96, page_size=16),
+                 PageFormat(num_kv_heads=2, head_dim=128, page_size=16, bits=4)):
+        p2 = poisoned_pages(fmt2, 2, DEVICE)
+        y = torch.zeros(8, 2, fmt2.head_dim, dtype=torch.bfloat16, device=DEVICE)
+        s2 = (y.stride(0), 0, y.stride(1), y.stride(2))
+        assert not fast16_ok(_parse_variant(("fast16",), fmt2.bits), p2, p2, y, y, s2, s2, None, None, None)
+    y = torch.zeros(8, 2, 32, dtype=torch.bfloat16, device=DEVICE)  # d/8 = 4 words: split 1 only
+    p3 = poisoned_pages(PageFormat(num_kv_heads=2, head_dim=32, page_size=16), 2, DEVICE)
+    s3 = (y.stride(0), 0, y.stride(1), y.stride(2))
+    assert fast16_ok(opt, p3, p3, y, y, s3, s3, None, None, None)
+    assert not fast16_ok(_parse_variant(("fast16", "split=2"), 2), p3, p3, y, y, s3, s3, None, None, None)
+    with pytest.raises(ValueError):
+        _parse_variant(("fast16", "split=3"), 2)
+    with pytest.raises(ValueError):
+        _parse_variant(("fast16", "hred=2"), 2)
+
+
+# -------------------------------------------------------------------------------- whole-kernel exactness
+FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2"), ("fast16", "split=2", "code_thr64"),
+         ("fast16", "code_thr"), ("fast16", "split=2", "hred=1", "code_thr64")]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["-".join(f[1:]) or "default" for f in FORMS])
+def test_fast16_bit_exact_bf16(form):
+    """The default clips (top-down extraction), no clip, a clip that disables itself; ties, repeated values,
+    constant rows, symmetric rows; odd row counts (partial row blocks)."""
+    x = _edge_rows(21, HKV, 128, torch.bfloat16)
+    v = _edge_rows(21, HKV, 128, torch.bfloat16, seed=1)
+    for k_clip, v_clip in ((0.96, 0.92), (0.0, 1.0)):
+        _round_trip(x, v, k_clip, v_clip, form)
+
+
+@pytest.mark.parametrize("d,dtype,meta", [(64, torch.float16, torch.float16), (256, torch.bfloat16, torch.bfloat16),
+                                          (32, torch.bfloat16, torch.float32), (128, torch.float16, torch.float32),
+                                          (64, torch.bfloat16, torch.bfloat16)])
+def test_fast16_dims_dtypes_meta(d, dtype, meta):
+    """float16 and bfloat16 rows, head dims 32..256 (1 to 8 words per thread and quarter), every metadata
+    dtype, both splits where the row allows, the order statistic from above, from below and by bisection."""
+    x = _edge_rows(13, HKV, d, dtype, seed=2)
+    v = _edge_rows(13, HKV, d, dtype, seed=3)
+    splits = ("split=1", "split=2") if d >= 64 else ("split=1",)
+    for sp in splits:
+        for k_clip, v_clip in ((0.96, 0.92), (0.999, 0.02), (0.5, 0.3)):
+            _round_trip(x, v, k_clip, v_clip, ("fast16", "code_thr64", sp), meta=meta)
+
+
+@pytest.mark.parametrize("form", [("clip_top",), ("clip_bottom",), ("clip_bisect",)])
+def test_fast16_forced_order_statistics(form):
+    """Each order-statistic method forced, at ratios where it is not the cheapest (bottom-up for 0.96 needs
+    122 steps), on rows full of ties."""
+    x = _edge_rows(9, 2, 64, torch.bfloat16, seed=4)
+    for sp in ("split=1", "split=2"):
+        _round_trip(x, -x, 0.9, 0.55, ("fast16", "code_thr64", sp) + form)
+
+
+def test_fast16_metadata_edge_rows():
+    """Offsets that round by more than a step (|x| up to 1000), rows where tau = 0, subnormal rows with
+    bfloat16 and float32 metadata, all-equal rows."""
+    d = 64
+    big = (torch.rand(12, 1, 1) * 2000 - 1000).round() + torch.rand(12, 1, d) * 0.8
+    zeros = torch.randn(6, 1, d)
+    zeros[:, :, :40] = 0.0
+    zeros[3] = 0.0
+    const = torch.full((3, 1, d), -2.5)
+    for meta in (torch.float16, torch.bfloat16, torch.float32):
+        rows = [big, zeros, const]
+        if meta != torch.float16:
+            tiny = torch.rand(6, 1, d) * 2e-39 - 1e-39
+            tiny[1] = torch.rand(d) * 1e-43 + 1e-44
+            rows.append(tiny)
+        x = torch.cat(rows).to(torch.bfloat16)
+        for k_clip, v_clip in ((0.9, 0.5), (0.0, 0.3)):
+            _round_trip(x, x * 0.5, k_clip, v_clip, ("fast16", "code_thr64"), meta=meta)
+            _round_trip(x, x * 0.5, k_clip, v_clip, ("fast16", "split=2"), meta=meta)
+
+
+def test_fast16_launch_knobs():
+    """Rows per block, warps, row blocks per program, prefetch: 45 rows (partial blocks)."""
+    x = _edge_rows(45, 2, 128, torch.bfloat16, seed=5)
+    for knobs in (("block_r=16",), ("block_r=64", "warps=2"), ("bpp=1",), ("bpp=3", "prefetch=1"),
+                  ("split=2", "block_r=32", "warps=2", "prefetch=1")):
+        _round_trip(x, -x, 0.96, 0.92, ("fast16", "code_thr64") + knobs)
+
+
+def test_fast16_demote_and_channel_keys():
+    """Gather mode (demotion from a 16-bit tier) and values next to channel-page keys, through fast16."""
+    d = 64
+    fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
+    B, c16, n = 3, 40, 24
+    k16 = (torch.randn(B, HKV, c16, d) * 2).round().to(torch.bfloat16)
+    v16 = torch.randn(B, HKV, c16, d).to(torch.bfloat16)
+    seq = torch.randint(0, B, (n,), dtype=torch.int32)
+    src = torch.randint(0, c16, (n,), dtype=torch.int32)
+    for form in (("fast16",), ("fast16", "split=2", "code_thr64")):
+        kp, vp = poisoned_pages(fmt, 4, DEVICE), poisoned_pages(fmt, 4, DEVICE)
+        kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+        slots = torch.randperm(64)[:n]
+        slots[5] = -1
+        demote_triton(kp, vp, k16.to(DEVICE), v16.to(DEVICE), seq.to(DEVICE), src.to(DEVICE), slots.to(DEVICE),
+                      k_clip=0.9, v_clip=0.92, variant=form)
+        demote_ref(kr, vr, k16, v16, seq, src, slots, k_clip=0.9, v_clip=0.92)
+        _assert_same(kp, kr, f"demote K {form}")
+        _assert_same(vp, vr, f"demote V {form}")
+    kfmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16, layout="channel")
+    vfmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16)
+    kp, vp = poisoned_pages(kfmt, 3, DEVICE), poisoned_pages(vfmt, 3, DEVICE)
+    kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+    x = torch.randn(32, 2, d).to(torch.bfloat16)
+    slots = torch.cat([torch.arange(32, 48), torch.arange(0, 16)])
+    quantize_write_triton(kp, vp, x.to(DEVICE), (-x).to(DEVICE), slots.to(DEVICE), k_clip=0.0, v_clip=0.92,
+                          variant=("fast16",))
+    quantize_write_ref(kr, x, slots, clip_ratio=0.0)
+    quantize_write_ref(vr, -x, slots, clip_ratio=0.92)
+    _assert_same(kp, kr, "channel K")
+    _assert_same(vp, vr, "V next to channel K")
+
+
+# ------------------------------------------------------------------------------- per-row threshold helpers
+@triton.jit
+def _thr_probe(s_ptr, lo_ptr, o64_ptr, ob_ptr, n, BF16: tl.constexpr, K: tl.constexpr, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    m = i < n
+    s = tl.load(s_ptr + i, mask=m, other=1.0)
+    lo = tl.load(lo_ptr + i, mask=m, other=0.0)
+    t = qm._threshold64(s, K)
+    tl.store(o64_ptr + i, t, mask=m)
+    v, w = qm._xthr(t, lo, BF16)
+    tl.store(ob_ptr + i, v, mask=m)
+
+
+def _brute_threshold(s, k):
+    """Smallest float a >= 0 with RN(RN(a/s) + 0.5) >= k, by a full bitwise search (float32 arithmetic)."""
+    lo = torch.zeros_like(s, dtype=torch.int32)
+    hi = torch.full_like(s, 0x7F800000, dtype=torch.int32)
+    for _ in range(32):
+        mid = lo + ((hi - lo) >> 1)
+        ok = torch.floor(mid.view(torch.float32) / s + 0.5) >= k
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return hi.view(torch.float32)
+
+
+def _all16(dtype):
+    """Every finite value of a 16-bit float type, ascending, as float32."""
+    p = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    p = p[torch.isfinite(p)]
+    return p.sort().values
+
+
+def _brute_xthr(t, lo, dtype):
+    """Smallest 16-bit value y with float32(y - lo) >= t (binary search over all of them; +inf if none)."""
+    vals = _all16(dtype)
+    a = torch.zeros_like(t, dtype=torch.int64)
+    b = torch.full_like(t, len(vals), dtype=torch.int64)
+    for _ in range(17):
+        mid = (a + b) // 2
+        ok = (vals[mid.clamp(max=len(vals) - 1)] - lo) >= t
+        ok &= mid < len(vals)
+        b, a = torch.where(ok, mid, b), torch.where(ok, a, mid + 1)
+    out = torch.full_like(t, float("inf"))
+    hit = a < len(vals)
+    out[hit] = vals[a[hit]]
+    return out
+
+
+def _probe(s, lo, dtype, k):
+    n = s.numel()
+    o64 = torch.empty(n, device=DEVICE)
+    ob = torch.empty(n, device=DEVICE)
+    _thr_probe[(triton.cdiv(n, 1024),)](s.to(DEVICE), lo.to(DEVICE), o64, ob, n, BF16=dtype == torch.bfloat16,
+                                        K=k, B=1024)
+    return o64.cpu(), ob.cpu()
+
+
+def test_threshold64_exhaustive():
+    """The float64 threshold equals the brute-force one for every finite float16 and bfloat16 scale and for
+    float32 samples (binade edges, subnormals, random)."""
+    f16 = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    bf16 = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    p2 = torch.ldexp(torch.ones(277, dtype=torch.float64), torch.arange(-149, 128)).float().view(torch.int32)
+    edges = torch.cat([p2 + i for i in range(-4, 5)]).clamp(1, 0x7F7FFFFF).view(torch.float32)
+    rand = torch.randint(1, 0x7F800000, (1 << 14,), dtype=torch.int32).view(torch.float32)
+    scales = torch.cat([f16, bf16, edges, rand])
+    for k in (1, 2, 3):
+        t, _ = _probe(scales, torch.zeros_like(scales), torch.bfloat16, k)
+        exact = _brute_threshold(scales, k)
+        assert torch.equal(t.view(torch.int32), exact.view(torch.int32)), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_input_domain_thresholds_brute_force(dtype):
+    """The 16-bit threshold of each code boundary equals a brute-force search over every 16-bit value, for
+    random rows, symmetric clipped rows (lo = -tau, scale = 2 tau / 3: the code-2 boundary next to 0, where
+    16-bit floats are dense), large offsets, and tiny or subnormal scales; every metadata dtype."""
+    g = torch.Generator().manual_seed(7)
+    n = 6000
+    tau = torch.rand(n, generator=g) * 8 + 1e-3
+    kinds = torch.randint(0, 4, (n,), generator=g)
+    lo = torch.where(kinds == 0, -tau, torch.randn(n, generator=g) * 4)
+    lo = torch.where(kinds == 2, (torch.rand(n, generator=g) * 2000 - 1000).round(), lo)
+    span = torch.where(kinds == 2, torch.rand(n, generator=g), 2 * tau)
+    span = torch.where(kinds == 3, torch.rand(n, generator=g) * 1e-3, span)
+    for meta in (torch.float16, torch.bfloat16, torch.float32):
+        lo_m = lo.to(dtype).float().to(meta).float()  # row minimum is a 16-bit value; offset = meta rounding
+        s = (span.to(dtype).float() / torch.full_like(span, 3.0)).to(meta).float()
+        keep = (s > 0) & torch.isfinite(s) & torch.isfinite(lo_m)
+        s, lo_m = s[keep], lo_m[keep]
+        if dtype == torch.float16 and meta != torch.float16:
+            s, lo_m = s[lo_m.abs() < 6e4], lo_m[lo_m.abs() < 6e4]
+        for k in (1, 2, 3):
+            t, b = _probe(s, lo_m, dtype, k)
+            want = _brute_xthr(t, lo_m, dtype)
+            bad = ~((b == want) | (torch.isinf(b) & torch.isinf(want)))
+            assert not bad.any(), (meta, k, s[bad][:4], lo_m[bad][:4], b[bad][:4], want[bad][:4])
+
+
+# --------------------------------------------------------------------------------------------- GPU shape
+GPU_FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2", "code_thr64"),
+             ("fast16", "split=2", "code_thr64", "hred=1"), ("fast16", "code_thr64", "prefetch=1")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_fast16_benchmark_shape_bit_exact():
+    """The benchmark's shape (32768 rows x 8 KV heads, d 128, bf16, clip 0.96/0.92, page 64, float16
+    metadata) through the fast16 forms the probe times, against the CPU reference, with ties, and demoted."""
+    n, hkv, d, ps = 32768, 8, 128, 64
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
+    npages = n // ps + 4
+    k = (torch.randn(n, hkv, d, device=DEVICE) * torch.rand(1, hkv, d, device=DEVICE) * 4).to(torch.bfloat16)
+    v = torch.randn(n, hkv, d, device=DEVICE, dtype=torch.bfloat16)
+    k[::97] = k[::97].float().round().to(torch.bfloat16)
+    v[5::89] = _edge_rows(len(range(5, n, 89)), hkv, d, torch.bfloat16).to(DEVICE)
+    slots = torch.randperm(npages * ps, device=DEVICE)[:n]
+    slots[::1000] = -1
+    keep = (slots >= 0).cpu()
+    pg, rw = slots.cpu()[keep] // ps, slots.cpu()[keep] % ps
+    kr, vr = poisoned_pages(fmt, npages, "cpu"), poisoned_pages(fmt, npages, "cpu")
+    quantize_write_ref(kr, k.cpu(), slots.cpu(), clip_ratio=0.96)
+    quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=0.92)
+    for form in GPU_FORMS:
+        kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
+        quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
+        for got, ref in ((kp, kr), (vp, vr)):
+            for name in ("codes", "scale", "offset"):
+                g, r = getattr(got, name).cpu()[pg, :, rw], getattr(ref, name)[pg, :, rw]
+                assert torch.equal(_bits(g), _bits(r)), f"{form}: {name} differ"
+    k16, v16 = k.view(4, n // 4, hkv, d).transpose(1, 2), v.view(4, n // 4, hkv, d).transpose(1, 2)
+    seq = torch.arange(n, device=DEVICE) // (n // 4)
+    src = torch.arange(n, device=DEVICE) % (n // 4)
+    kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
+    kr2, vr2 = _cpu_copy(kp), _cpu_copy(vp)
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92, variant=("fast16", "code_thr64"))
+    demote_ref(kr2, vr2, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
+    _assert_same(kp, kr2, "demote")
+    _assert_same(vp, vr2, "demote")
