@@ -215,7 +215,7 @@ class Transformer(nn.Module):
     def step_pdl(self, x: Tensor, last: Tensor | None = None) -> bool:
         """Whether a forward on ``x``'s device runs its kernels as programmatic dependents: ``pdl`` set, a decode
         step (``last is None``) and a device where it exists (:func:`ops.pdl_available`)."""
-        return self.pdl and last is None and ops.pdl_available(x)
+        return getattr(self, "pdl", False) and last is None and ops.pdl_available(x)
 
     def forward(self, tokens: Tensor, positions: Tensor, ctx: Any, last: Tensor | None = None) -> Tensor:
         w = self.embed.weight
