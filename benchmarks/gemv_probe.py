@@ -42,12 +42,16 @@ def shapes(name: str) -> list[tuple[str, int, int, str]]:
 
 
 def sweep_configs(M: int) -> list[GemvConfig]:
-    """Tilings to time: "fma" (one row only: block_k = 256 or 512 per warp) and "dot" (any rows)."""
+    """Tilings to time: "fma" (one row only: block_k = 256 or 512 per warp; split-K over 2 / 4 / 12 slices of
+    K, clamped to the K tiles there are) and "dot" (any rows)."""
     fma = [(8, 1024, 4, 1), (16, 1024, 4, 1), (32, 1024, 4, 1), (64, 1024, 4, 1), (16, 2048, 8, 1), (32, 2048, 8, 1),
            (16, 512, 2, 1), (32, 512, 2, 1), (16, 1024, 8, 1), (32, 1024, 4, 2)] if M == 1 else []
+    split = [(16, 1024, 4, 1, 2), (16, 1024, 4, 1, 4), (16, 1024, 4, 1, 12), (8, 1024, 4, 1, 2),
+             (32, 1024, 4, 1, 4), (16, 512, 4, 1, 8)] if M == 1 else []
     dot = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (16, 256, 8, 4), (32, 128, 4, 4),
            (32, 256, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4)]
-    return [GemvConfig("fma", *c) for c in fma] + [GemvConfig("dot", *c) for c in dot]
+    return ([GemvConfig("fma", *c) for c in fma] + [GemvConfig("fma", *c[:4], split_k=c[4]) for c in split]
+            + [GemvConfig("dot", *c) for c in dot])
 
 
 def tbs(nbytes: float, ms: float) -> float:
