@@ -26,8 +26,8 @@ from ..quant import clip_index
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2
 from .layout import QuantPages
 from .quantize_math import (_codes, _from16, _group_params, _group_params_x, _h2max, _max4, _min4, _part_codes,
-                            _part_range, _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold,
-                            _to_f32, _w_hi, _w_lo, _wcodes)
+                            _part_range, _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort,
+                            _threshold, _to_f32, _w_hi, _w_lo, _wcodes)
 from .reference import channel_page_ids
 
 _META_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -363,11 +363,24 @@ PROBE_VARIANTS = [(), ("code_thr8",), ("code_thr",), ("code_floor",), ("clip_bis
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_gpu_benchmark_shape_every_variant_bit_exact():
     """The benchmark's shape (32768 rows x 8 KV heads, d 128, bf16, clip 0.96/0.92, page 64, float16 metadata)
-    through every formulation and launch variant that benchmarks/kernels_probe.py times, against the CPU
-    reference, plus the same rows demoted from a 16-bit tier."""
+    through every formulation and launch variant of the row kernel (``kernels_probe.py --set all``), against the
+    CPU reference, plus the same rows demoted from a 16-bit tier. Slow: one compilation per variant."""
+    _gpu_benchmark_shape(PROBE_VARIANTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_benchmark_shape_default_bit_exact():
+    """As above for the row-kernel variants that ``kernels_probe.py`` times by default (the fast16 ones are
+    in test_kernels_quantize_fast16.py)."""
+    _gpu_benchmark_shape([(), ("code_thr64",)])
+
+
+def _gpu_benchmark_shape(variants):
     n, hkv, d, ps = 32768, 8, 128, 64
     fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
     npages = n // ps + 4
@@ -379,7 +392,7 @@ def test_gpu_benchmark_shape_every_variant_bit_exact():
     kr, vr = poisoned_pages(fmt, npages, "cpu"), poisoned_pages(fmt, npages, "cpu")
     quantize_write_ref(kr, k.cpu(), slots.cpu(), clip_ratio=0.96)
     quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=0.92)
-    for form in PROBE_VARIANTS:
+    for form in variants:
         kp, vp = _pools(fmt, npages)  # fresh random bytes: an unwritten field cannot match by accident
         quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
         keep = (slots >= 0).cpu()
