@@ -516,9 +516,11 @@ def _xeff(t, lo_s, tau, pos, BF16: tl.constexpr):
 @triton.jit
 def _wcodes(w0, w1, w2, w3, b1, b2, b3, BF16: tl.constexpr, INTERP: tl.constexpr):
     """16-bit word ``byte(e) | byte(e + 1) << 8`` of the codes of the low and high elements of words
-    ``w0..w3`` (one per quarter) against the packed thresholds ``b1 <= b2 <= b3``: per quarter three packed
-    compares (masks), the code's low bit ``m1 ^ m2 ^ m3`` and high bit ``m2`` or-ed into place."""
-    if INTERP:
+    ``w0..w3`` (one per quarter) against packed thresholds ``b1 <= b2 <= b3`` (monotone in the code, clip and
+    zero scale folded in: :func:`_xeff`). Per quarter two packed compares (masks, two halves each): the code's
+    high bit ``x >= b2``, then its low bit ``x >= (high ? b3 : b1)`` - a binary search that equals counting the
+    three thresholds passed - or-ed into bits ``2j, 2j + 1`` of each half; one byte permute at the end."""
+    if INTERP:  # the same binary search, one element at a time
         t1 = _w_lo(b1, BF16)
         t2 = _w_lo(b2, BF16)
         t3 = _w_lo(b3, BF16)
@@ -539,17 +541,19 @@ def _wcodes(w0, w1, w2, w3, b1, b2, b3, BF16: tl.constexpr, INTERP: tl.constexpr
 
 @triton.jit
 def _xq(x, t1, t2, t3):
-    return (x >= t1).to(tl.int32) + (x >= t2).to(tl.int32) + (x >= t3).to(tl.int32)
+    """Code of float32 ``x`` by the binary search of :func:`_wcodes`."""
+    up = x >= t2
+    return tl.where(up, 2, 0) + (x >= tl.where(up, t3, t1)).to(tl.int32)
 
 
 def _wcodes_asm(ty: str) -> str:
+    """PTX of :func:`_wcodes`: $1..$4 the quarters' words, $5..$7 the thresholds; lop3 0xCA = a ? b : c."""
     body = []
     for j in range(4):
-        body.append(f"set.ge.u32.{ty} m1, ${j + 1}, $5; set.ge.u32.{ty} m2, ${j + 1}, $6; "
-                    f"set.ge.u32.{ty} m3, ${j + 1}, $7; xor.b32 x, m1, m2; xor.b32 x, x, m3; "
-                    f"and.b32 x, x, {0x00010001 << 2 * j:#010x}; and.b32 m2, m2, {0x00020002 << 2 * j:#010x}; "
-                    + ("or.b32 a, x, m2; " if j == 0 else "or.b32 a, a, x; or.b32 a, a, m2; "))
-    return "{ .reg .b32 m1, m2, m3, x, a; " + "".join(body) + "prmt.b32 $0, a, 0, 0x4420; }"
+        body.append(f"set.ge.u32.{ty} h, ${j + 1}, $6; lop3.b32 t, h, $7, $5, 0xCA; set.ge.u32.{ty} l, ${j + 1}, t; "
+                    f"and.b32 l, l, {0x00010001 << 2 * j:#010x}; and.b32 h, h, {0x00020002 << 2 * j:#010x}; "
+                    + ("or.b32 a, l, h; " if j == 0 else "or.b32 a, a, l; or.b32 a, a, h; "))
+    return "{ .reg .b32 h, l, t, a; " + "".join(body) + "prmt.b32 $0, a, 0, 0x4420; }"
 
 
 _WCODES_BF16 = tl.constexpr(_wcodes_asm("bf16x2"))

@@ -237,23 +237,23 @@ def _quantize_kv_kernel(
 # e = j d/4 + s d/(4 SPLIT) + 2c, in its low and high half; its code bytes are bytes e - j d/4 and the next of
 # the row's packed codes, stored as one 16-bit word.
 @triton.jit
-def _wkeys(w, e, E0: tl.constexpr):
-    """Unique int32 keys ``|x| bits << 16 | index`` (below 2^31) of the low and high elements of words ``w``
-    whose low element has index ``e + E0`` (``e`` opaque to the compiler: see :func:`_opaque`)."""
-    a = w & 0x7FFF7FFF
-    return (a << 16) + e + E0, (a & -65536) + e + (E0 + 1)
-
-
-@triton.jit
-def _opaque(w, x, INTERP: tl.constexpr):
-    """``x`` (broadcast to the shape and layout of ``w``), through an impure no-op on the GPU, so that values
-    derived from it (the key indices) are built where they are used instead of being hoisted out of the row
-    loop into a register each (221 registers per thread at split 2)."""
+def _wkeys(w, e, E0: tl.constexpr, INTERP: tl.constexpr):
+    """Unique int32 keys ``|x| bits << 16 | tag`` (below 2^31, ordered by ``|x|``) of the low and high elements
+    of words ``w``; ``t = e + E0`` is unique per word and below 2^15, the low element's tag is ``t`` with bit 15
+    set, the high element's ``t`` without: with ``a = w & 0x7FFF7FFF``, ``lo = (a << 16) + (t | 0x8000)`` and
+    ``hi`` = bits 15..31 of ``a``, bits 0..14 of ``lo``. Four instructions a word (in asm: LLVM otherwise
+    rewrites ``lo & 0x7FFF`` as ``t & 0x7FFF`` and adds three more)."""
+    c = E0 | 0x8000
     if INTERP:
-        r = x + (w & 0)
+        a = w & 0x7FFF7FFF
+        lo = (a << 16) + (e + c)
+        hi = (a & -32768) | (lo & 0x7FFF)
     else:
-        r = tl.inline_asm_elementwise("mov.b32 $0, $2;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=False, pack=1)
-    return r
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, t; and.b32 a, $2, 0x7FFF7FFF; add.u32 t, $3, $4; mad.lo.u32 $0, a, 65536, t; "
+            "lop3.b32 $1, a, $0, 0xFFFF8000, 0xE4; }",
+            "=r,=r,r,r,r", [w, e, e * 0 + c], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return lo, hi
 
 
 @triton.jit
@@ -356,16 +356,16 @@ def _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ: tl.constexpr, SP
     ``m <- max{key < m}``; mode 2 the min key, then ``n`` steps ``m <- min{key > m}``; mode 3 bisection on the
     15 bits of ``|x|`` (counts of keys below a candidate)."""
     SB: tl.constexpr = DQ // SPLIT  # elements per block
-    e = _opaque(w0, 2 * wc[None, :], INTERP)
-    a0, b0 = _wkeys(w0, e, 0)
-    a1, b1 = _wkeys(w1, e, DQ)
-    a2, b2 = _wkeys(w2, e, 2 * DQ)
-    a3, b3 = _wkeys(w3, e, 3 * DQ)
+    e = (w0 & 0) + 2 * wc[None, :]
+    a0, b0 = _wkeys(w0, e, 0, INTERP)
+    a1, b1 = _wkeys(w1, e, DQ, INTERP)
+    a2, b2 = _wkeys(w2, e, 2 * DQ, INTERP)
+    a3, b3 = _wkeys(w3, e, 3 * DQ, INTERP)
     if SPLIT == 2:
-        a4, b4 = _wkeys(w4, e, SB)
-        a5, b5 = _wkeys(w5, e, DQ + SB)
-        a6, b6 = _wkeys(w6, e, 2 * DQ + SB)
-        a7, b7 = _wkeys(w7, e, 3 * DQ + SB)
+        a4, b4 = _wkeys(w4, e, SB, INTERP)
+        a5, b5 = _wkeys(w5, e, DQ + SB, INTERP)
+        a6, b6 = _wkeys(w6, e, 2 * DQ + SB, INTERP)
+        a7, b7 = _wkeys(w7, e, 3 * DQ + SB, INTERP)
     else:  # placeholders, never used
         a4, b4, a5, b5, a6, b6, a7, b7 = a0, b0, a1, b1, a2, b2, a3, b3
     if mode == 1:
@@ -455,12 +455,13 @@ def _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw
     if mode > 0:
         tau = _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ, SPLIT, BF16, INTERP)
     sc, lo_s, b1, b2, b3 = _group_params_x(lo, hi, tau, META, CODES, BF16)
-    page = slot // PAGE
-    prow = slot % PAGE
-    mrow = page * sm_p + h * sm_h + prow * sm_r
+    s32 = slot.to(tl.int32)  # slots < 2^31; int64 only for the page offsets (pools may exceed 2 GB)
+    page = (s32 // PAGE).to(tl.int64)
+    prow = s32 % PAGE
+    mrow = page * sm_p + (h * sm_h + prow * sm_r)
     _store_meta(scale_ptr + mrow, sc, valid)
     _store_meta(offset_ptr + mrow, lo_s, valid)
-    cbase = ((page * sc_p + h * sc_h + prow * sc_r) >> 1)[:, None]  # in 16-bit words
+    cbase = ((page * sc_p + (h * sc_h + prow * sc_r)) >> 1)[:, None]  # in 16-bit words
     ccol = tl.max_contiguous(tl.multiple_of(wc, SW), SW)  # stores in the layout of the words
     sm = valid[:, None]
     z = tl.zeros_like(w0)
