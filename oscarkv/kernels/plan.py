@@ -40,7 +40,13 @@ class DecodePlan:
             Default (None): 16 (about four waves of the CUDA kernel's four resident programs, which smooths
             the tail), except 4 (one wave) for a single sequence's KV heads, where short splits cost more in
             fixed work than they gain (H200: 32K x bs 1 0.029 ms at 4 vs 0.037 at 16; docs/results/).
-        tokens16_per_split: 16-bit-tier tokens per split.
+        tokens16_per_split: 16-bit-tier tokens per split. Default (None): half the tier rounded up to 16, within
+            [128, 256] (a 320-token tier: 2 splits of 160), so that a single sequence's 2-bit splits keep 64 of
+            the 66 program slots per KV head of one H200 wave (3 splits of 128 left 63).
+        warps_per_split: warps that share a split's pages (the CUDA kernel's 4); a split's page count is a
+            multiple of it (when it has at least that many pages), so that no warp walks one page more than the
+            others: the split's time is its slowest warp's (H200, 128K x 1: 33 pages per split made one warp of
+            four walk 9 pages, the others 8).
         num_sms: multiprocessors to fill (default: read from the device).
         min_pages_per_split: lower bound on a split's length, so that short contexts do not pay a program's
             fixed cost (query setup, partial write) for a single page.
@@ -60,9 +66,10 @@ class DecodePlan:
     device: torch.device | str = "cpu"
     block_n: int | None = None
     programs_per_sm: int | None = None
-    tokens16_per_split: int = 128
+    tokens16_per_split: int | None = None
     num_sms: int | None = None
     min_pages_per_split: int = 4
+    warps_per_split: int = 4
     # filled by __post_init__ / update
     batch: int = field(init=False, default=0)
     pages_per_split: int = field(init=False, default=1)
@@ -83,6 +90,9 @@ class DecodePlan:
             raise ValueError(f"block_n {bn} must be >= 16 and a multiple or divisor of page_size {ps}")
         if self.num_sms is None:
             self.num_sms = _num_sms(self.device)
+        if self.tokens16_per_split is None:
+            half = -(-math.ceil(self.max_len16 / 2) // 16) * 16
+            self.tokens16_per_split = min(256, max(128, half))
         self.num_splits16 = math.ceil(self.max_len16 / self.tokens16_per_split) if self.max_len16 else 0
         cap = self.max_pages * ps
         # workspace for the largest batch * splits over every batch size (the split count falls as batch grows)
@@ -123,9 +133,12 @@ class DecodePlan:
         if ppsm is None:
             ppsm = 4 if units <= 8 else 16
         want = max(1, math.ceil(ppsm * self.num_sms / units))
-        if want > 2 * self.num_splits16:  # many 2-bit splits: leave room for the 16-bit ones in the same wave
+        if want >= 4 * self.num_splits16:  # many 2-bit splits: leave room for the 16-bit ones in the same wave
             want -= self.num_splits16
         pps = max(math.ceil(pages / min(want, pages)), self.min_pages_per_split)
+        nw = self.warps_per_split
+        if pps >= nw:  # the fewest pages per warp those splits allow, every warp of a split the same count
+            pps = max(math.ceil(pages / (min(want, pages) * nw)) * nw, math.ceil(self.min_pages_per_split / nw) * nw)
         step = max(1, bn // ps)  # a split covers whole kernel iterations
         pps = math.ceil(pps / step) * step
         return pps, math.ceil(pages / pps)
