@@ -309,35 +309,53 @@ def test_input_domain_thresholds_brute_force(dtype):
 
 # --------------------------------------------------------------------------------------------- GPU shape
 GPU_FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2", "code_thr64"),
-             ("fast16", "split=2", "code_thr64", "hred=1"), ("fast16", "code_thr64", "prefetch=1")]
+             ("fast16", "code_thr64", "prefetch=1"), ("fast16", "split=2", "code_thr64", "prefetch=1"),
+             ("fast16", "split=2", "code_thr64", "hred=1")]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gpu_fast16_benchmark_shape_bit_exact():
+@pytest.fixture(scope="module")
+def bench_case():
     """The benchmark's shape (32768 rows x 8 KV heads, d 128, bf16, clip 0.96/0.92, page 64, float16
-    metadata) through the fast16 forms the probe times, against the CPU reference, with ties, and demoted."""
+    metadata) with ties and edge rows, and the CPU reference pools."""
     n, hkv, d, ps = 32768, 8, 128, 64
     fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
     npages = n // ps + 4
+    torch.manual_seed(0)
     k = (torch.randn(n, hkv, d, device=DEVICE) * torch.rand(1, hkv, d, device=DEVICE) * 4).to(torch.bfloat16)
     v = torch.randn(n, hkv, d, device=DEVICE, dtype=torch.bfloat16)
     k[::97] = k[::97].float().round().to(torch.bfloat16)
     v[5::89] = _edge_rows(len(range(5, n, 89)), hkv, d, torch.bfloat16).to(DEVICE)
     slots = torch.randperm(npages * ps, device=DEVICE)[:n]
     slots[::1000] = -1
-    keep = (slots >= 0).cpu()
-    pg, rw = slots.cpu()[keep] // ps, slots.cpu()[keep] % ps
     kr, vr = poisoned_pages(fmt, npages, "cpu"), poisoned_pages(fmt, npages, "cpu")
     quantize_write_ref(kr, k.cpu(), slots.cpu(), clip_ratio=0.96)
     quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=0.92)
-    for form in GPU_FORMS:
-        kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
-        quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
-        for got, ref in ((kp, kr), (vp, vr)):
-            for name in ("codes", "scale", "offset"):
-                g, r = getattr(got, name).cpu()[pg, :, rw], getattr(ref, name)[pg, :, rw]
-                assert torch.equal(_bits(g), _bits(r)), f"{form}: {name} differ"
+    return fmt, npages, k, v, slots, kr, vr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", GPU_FORMS, ids=["-".join(f[1:]) or "fast16" for f in GPU_FORMS])
+def test_gpu_fast16_benchmark_shape_bit_exact(bench_case, form):
+    """Every fast16 form the probe times (inline assembly on the GPU) against the CPU reference, on the
+    benchmark's shape."""
+    fmt, npages, k, v, slots, kr, vr = bench_case
+    keep = (slots >= 0).cpu()
+    pg, rw = slots.cpu()[keep] // fmt.page_size, slots.cpu()[keep] % fmt.page_size
+    kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
+    quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
+    for side, got, ref in (("K", kp, kr), ("V", vp, vr)):
+        for name in ("codes", "scale", "offset"):
+            g, r = getattr(got, name).cpu()[pg, :, rw], getattr(ref, name)[pg, :, rw]
+            assert torch.equal(_bits(g), _bits(r)), f"{form}: {side} {name} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_fast16_demote_bit_exact(bench_case):
+    """The same rows demoted from a [4, Hkv, n/4, d] 16-bit tier (gather mode) through fast16."""
+    fmt, npages, k, v, slots, _, _ = bench_case
+    n, hkv, d = k.shape
     k16, v16 = k.view(4, n // 4, hkv, d).transpose(1, 2), v.view(4, n // 4, hkv, d).transpose(1, 2)
     seq = torch.arange(n, device=DEVICE) // (n // 4)
     src = torch.arange(n, device=DEVICE) % (n // 4)
@@ -345,5 +363,5 @@ def test_gpu_fast16_benchmark_shape_bit_exact():
     kr2, vr2 = _cpu_copy(kp), _cpu_copy(vp)
     demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92, variant=("fast16", "code_thr64"))
     demote_ref(kr2, vr2, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
-    _assert_same(kp, kr2, "demote")
-    _assert_same(vp, vr2, "demote")
+    _assert_same(kp, kr2, "demote K")
+    _assert_same(vp, vr2, "demote V")
