@@ -187,7 +187,8 @@ def quantize_rows(n: int, only: str | None, baseline: str | None, which: str = "
         print(table([row], header=False), flush=True)
         if out:
             with open(out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "quantize": rows}, f, indent=1)
+                json.dump({"gpu": torch.cuda.get_device_name(), "triton": __import__("triton").__version__,
+                           "torch": torch.__version__, "quantize": rows}, f, indent=1)
 
     print(table([]), flush=True)
 
