@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--gemv", default="auto", choices=("auto", "cublas", "triton"),
                    help="decode GEMV of the engine (LLM(gemv=...)) in the timed suites")
-    p.add_argument("--pdl", default="off", type=parse_pdl,
+    p.add_argument("--pdl", default="on", type=parse_pdl,
                    help="programmatic dependent launch of the decode step's kernels (LLM(pdl=...)): off, on, or "
                         "off,on to time every latency/throughput row both ways in one run (compared at the end); "
                         "an item may name a one-row GEMV set of triton_ops.GEMV_SETS, e.g. off,on,on:splitk1")

@@ -127,7 +127,7 @@ class LLM:
         pdl: programmatic dependent launch of the decode step's kernels on CUDA sm_90+ (each kernel may start
             while the previous one drains; a GEMV loads its first weight tile before waiting for its input;
             inside the captured CUDA graphs these are programmatic edges). ``None`` (default): ``$OSCARKV_PDL``
-            ("1" / "0"), off when unset. A no-op on CPU. See :meth:`Transformer.set_pdl`.
+            ("1" / "0"), on when unset. A no-op on CPU. See :meth:`Transformer.set_pdl`.
     """
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None, kv: str = "oscar",

@@ -62,7 +62,7 @@ def test_pdl_is_a_noop_on_cpu(make_hf, kv):
 def test_pdl_env_default(monkeypatch):
     from oscarkv.engine.model import PDL_ENV, PRESETS, Transformer, pdl_default
 
-    for val, want in (("1", True), ("0", False), ("", False), ("on", True)):
+    for val, want in (("1", True), ("0", False), ("", True), ("on", True), ("off", False)):
         monkeypatch.setenv(PDL_ENV, val)
         assert pdl_default() is want
         with torch.device("meta"):
@@ -71,7 +71,7 @@ def test_pdl_env_default(monkeypatch):
         m.set_pdl(not want)  # an explicit value wins over the environment
         assert m.pdl is (not want)
     monkeypatch.delenv(PDL_ENV)
-    assert pdl_default() is False
+    assert pdl_default() is True  # on unless switched off
     monkeypatch.setenv(PDL_ENV, "maybe")
     with pytest.raises(ValueError):
         pdl_default()
