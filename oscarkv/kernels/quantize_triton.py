@@ -12,6 +12,13 @@ row for this ratio (a run-time choice). Divisions are correctly rounded (``div_r
 nearest even, codes are computed from the stored metadata. With a rotation the float32 rows come from torch's
 einsum (row kernel) or a ``tf32x3`` dot (channel pages): the codes are bit-exact with ``quantize()`` of those
 rows, which ``debug_rows`` exposes (docs/kernels.md).
+
+Variant "fast16" (``_quant16_kernel``, 16-bit rows without mean, 2-bit, one group per row): rows read as 32-bit
+words; min/max by packed bf16x2/f16x2 instructions; the clip by unique int32 keys (``|x| << 16 | tag``), one
+fused add-min per element and step (inline-asm chains, which LLVM cannot turn into trees); the three code
+thresholds moved into the input dtype (the smallest 16-bit value of each code, exact, per row), so that a code
+is two packed compares on the raw words and the packed byte a few logic ops. Each asm helper has a plain-Triton
+twin with the same result that the CPU interpreter runs (quantize_math.py).
 """
 
 from __future__ import annotations
@@ -826,9 +833,12 @@ def quantize_write_triton(
     ``debug_rows``: optional pair of float32 ``[N, Hkv, d]`` tensors receiving the centered, rotated rows
     before clipping (the exact float32 values the codes were computed from). ``variant``: equivalent
     formulations and launch knobs, for tests and benchmarks: "code_thr8" (the 2-bit default: per-row
-    thresholds, two probes), "code_div" (one division per element), "code_floor", "code_thr" (7 probes); "clip_top",
-    "clip_bottom", "clip_bisect", "clip_sort" (force one order-statistic method); "block_r=", "warps=",
-    "bpp=" (row blocks per program), "prefetch=" (0/1: load the next block before this one's math).
+    thresholds, two probes), "code_thr64" (thresholds from an exact float64 product, no division), "code_div"
+    (one division per element), "code_floor", "code_thr" (7 probes); "clip_top", "clip_bottom", "clip_bisect",
+    "clip_sort" (force one order-statistic method); "block_r=", "warps=", "bpp=" (row blocks per program),
+    "prefetch=" (0/1: load the next block before this one's math); "fast16" (the 16-bit-row kernel
+    ``_quant16_kernel`` where :func:`fast16_ok` allows, the row kernel otherwise) with "split=" (1/2: a row over
+    d/32 or d/64 threads) and "hred=" (0/1: packed per-thread min/max reduction).
     Rotations of token-page rows are applied in torch float32 (``(x - mean) @ R``) before the row kernel; keys
     in channel pages get theirs fused (``tf32x3`` dot) into the channel-page kernel.
 
