@@ -111,9 +111,9 @@ def test_extend_accepts_float32_queries():
     assert out.dtype == torch.float32 and rel_err(out, ref) < BUDGET[torch.float16]
 
 
-# the variants the benchmark probe (benchmarks/extend_probe.py) compares; the default is {}
+# the variants the benchmark probe (benchmarks/extend_probe.py) compares; the default is {} (2 pages a step)
 EXT_VARIANTS = [
-    {}, {"unpack": "fields"}, {"unpack": "vcat"}, {"rescale": "lazy"}, {"fold": "factor"},
+    {}, {"pages_per_step": 1}, {"unpack": "fields"}, {"unpack": "vcat"}, {"rescale": "lazy"}, {"fold": "factor"},
     {"fold": "factor", "unpack": "fields", "rescale": "lazy", "pmul": "f32", "qnative": False},
 ]
 # odd lengths, partial pages, GQA 1/4/6/8, d 64/128/256, empty 2-bit and 16-bit tiers, float16 and bfloat16

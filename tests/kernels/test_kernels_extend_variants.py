@@ -31,15 +31,27 @@ if GPU:  # few shapes (each variant compiles once per shape); the probe checks e
     CASES = [(2, 8, 4, 128, 64, [1500, 333], [100, 7], 320, 300, torch.bfloat16),
              (3, 4, 6, 64, 64, [64, 0, 999], [0, 1, 64], 64, 129, torch.float16)]
 
-VARIANTS = [{"pages_per_step": 2}, {"pages_per_step": 4}, {"pages_per_step": 2, "rescale": "lazy"},
+# the launcher default is pages_per_step=2 (token pages, fold="dequant"); block_m/num_warps in a variant apply on
+# the GPU only (the CPU shapes use small blocks); num_stages is a no-op in the interpreter
+VARIANTS = [{"pages_per_step": 1}, {"pages_per_step": 2}, {"pages_per_step": 4},
+            {"pages_per_step": 4, "block_m": 128, "num_warps": 8}, {"pages_per_step": 2, "rescale": "lazy"},
+            {"pages_per_step": 4, "rescale": "lazy"}, {"tma": True}, {"tma": True, "pages_per_step": 1},
+            {"tma": True, "pages_per_step": 4}, {"tma": True, "rescale": "lazy", "num_stages": 2},
             {"fold": "workspace"}, {"fold": "workspace", "tma": True}]
+_GEOMETRY = ("block_m", "num_warps")
 
 
 def _blocks(g, variant):
     if GPU:
-        return {"block_m": 128, "num_warps": 8} if variant.get("fold") == "workspace" else {"block_m": 64,
+        base = {"block_m": 128, "num_warps": 8} if variant.get("fold") == "workspace" else {"block_m": 64,
                                                                                             "num_warps": 4}
+        return {**base, **{k: variant[k] for k in _GEOMETRY if k in variant}}
     return {"block_m": 16 if g == 8 else 32, "block_n": 16}
+
+
+def _kw(g, variant):
+    """The launcher keywords of a variant at this device's block sizes."""
+    return {**_blocks(g, variant), **{k: v for k, v in variant.items() if k not in _GEOMETRY}}
 
 
 def _vid(v):
@@ -60,8 +72,7 @@ def _inputs(case, key_layout="token"):
 def test_extend_new_variants_match_float64_reference(case, variant):
     q, kn, vn, (kp, vp, bt, ql, k16, v16, l16) = _inputs(case)
     out = torch.full_like(q, float("nan"))
-    extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, out=out, **_blocks(case[2], variant),
-                            **variant)
+    extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, out=out, **_kw(case[2], variant))
     ref = extend_attention_ref(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)
     assert rel_err(out, ref) < BUDGET[case[-1]]
 
@@ -137,13 +148,14 @@ def test_new_variants_sharp_attention_growing_scales():
     vn = torch.randn(1, T, hkv, d, device=DEVICE).half()
     ref = extend_attention_ref(q, kn, vn, *args, dtype=torch.float64)
     blocks = {"block_m": 64} if GPU else {"block_m": 16, "block_n": 16}
-    errs = {_vid(v): rel_err(extend_attention_triton(q, kn, vn, *args, **blocks, **v), ref) for v in VARIANTS}
+    kws = {_vid(v): {**blocks, **{k: x for k, x in v.items() if GPU or k not in _GEOMETRY}} for v in VARIANTS}
+    errs = {name: rel_err(extend_attention_triton(q, kn, vn, *args, **kw), ref) for name, kw in kws.items()}
     assert max(errs.values()) < BUDGET[torch.float16], errs
 
 
 @pytest.mark.parametrize("bad", [{"pages_per_step": 3}, {"pages_per_step": 2, "fold": "factor"},
                                  {"pages_per_step": 2, "fold": "workspace"}, {"fold": "dequantize"},
-                                 {"tma": True}, {"fold": "workspace", "block_n": 24}])
+                                 {"tma": True, "fold": "factor"}, {"fold": "workspace", "block_n": 24}])
 def test_new_variants_reject_bad_arguments(bad):
     kp, vp, bt, ql, k16, v16, l16 = build_cache(1, 1, 4, 64, 16, [20], [3], 4)
     q = torch.randn(1, 3, 4, 64, device=DEVICE).half()
@@ -152,9 +164,11 @@ def test_new_variants_reject_bad_arguments(bad):
         extend_attention_triton(q, kn, kn, kp, vp, bt, ql, k16.half(), v16.half(), l16, **bad)
 
 
-def test_pages_per_step_rejects_channel_keys():
+@pytest.mark.parametrize("bad", [{"pages_per_step": 2}, {"tma": True}])
+def test_pages_per_step_rejects_channel_keys(bad):
+    """pages_per_step > 1 and the fused TMA loads are token-page only; channel keys default to one page a step."""
     kp, vp, bt, ql, k16, v16, l16 = build_cache(1, 1, 4, 64, 16, [20], [3], 4, key_layout="channel")
     q = torch.randn(1, 3, 4, 64, device=DEVICE).half()
     kn = torch.randn(1, 3, 1, 64, device=DEVICE).half()
     with pytest.raises(ValueError):
-        extend_attention_triton(q, kn, kn, kp, vp, bt, ql, k16.half(), v16.half(), l16, pages_per_step=2)
+        extend_attention_triton(q, kn, kn, kp, vp, bt, ql, k16.half(), v16.half(), l16, **bad)
