@@ -31,9 +31,11 @@ each dequantized tile is then shared by every query block of its KV head rather 
 Static sm_90 SASS of the key loop (Triton 3.6 AOT, d 128, GQA 4, bfloat16 q; instructions per warp per 64 keys,
 no spills): fused, one page a step (64 rows / 4 warps) 606; ``pages_per_step=2`` 502 (64 / 4), 389 (128 / 8);
 workspace attention 361-365 (347 with ``tma``); the same loop over a bfloat16 prefix 338-375. Speed: the probe's
-numbers (H200, commit 7e56ab3: one page a step 4.22 ms, ``pages_per_step=2`` at 64 rows / 4 warps 3.48 ms: now
-the launcher default for token pages). ``tma`` with ``"dequant"``: the code tiles through TMA descriptors (one
-``[page_size, d/4]`` box per page, addressed through the block table), the prefix still never materialised.
+numbers (H200, session 14: one page a step 4.18 ms; ``pages_per_step=2`` at 64 rows / 4 warps 3.43 ms with 3
+stages, 3.26 ms with 2: the launcher default for token pages; 4 pages 3.57 ms at 128 rows / 8 warps, 6.37 at 64 /
+4; the workspace fold with TMA 2.30 ms; plain Triton over a bfloat16 prefix with TMA 2.12 ms; cuDNN 1.66 ms).
+Code tiles through TMA descriptors in the fused fold were tried and removed (no compile at 2 pages a step with
+triton 3.6, 4.39 ms at 4).
 
 This module holds the kernel, its per-page and per-tile loop bodies and the launcher; the tile-level device
 functions (PTX unpacking/dequantization, operand concatenation, online softmax, rescale, channel-page logits)
@@ -69,28 +71,6 @@ def _step_pages(bt_row, step, npages, PS: tl.constexpr, PPS: tl.constexpr):
         pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
         page = tl.where(sel == j, pj, page)
     return page
-
-
-@triton.jit
-def _desc_tile(desc, bt_row, step, npages, h, rpp, PS: tl.constexpr, PPS: tl.constexpr):
-    """The ``[PS PPS, D/4]`` code tile of step ``step`` through a TMA descriptor over the pool viewed as
-    ``[pages Hkv PS, D/4]`` (``rpp`` rows per page): one ``[PS, D/4]`` box per page, joined in page order
-    (page 0 stands in past the last page)."""
-    p0 = tl.load(bt_row + step * PPS, mask=step * PPS < npages, other=0)
-    t0 = desc.load([p0 * rpp + h * PS, 0])
-    if PPS == 1:
-        return t0
-    p1 = tl.load(bt_row + step * PPS + 1, mask=step * PPS + 1 < npages, other=0)
-    t1 = desc.load([p1 * rpp + h * PS, 0])
-    if PPS == 2:
-        x = tl.join(t0, t1)  # [n, c, j] = page j's [n, c]
-        return tl.reshape(tl.permute(x, (2, 0, 1)), (2 * PS, t0.shape[1]))
-    p2 = tl.load(bt_row + step * PPS + 2, mask=step * PPS + 2 < npages, other=0)
-    p3 = tl.load(bt_row + step * PPS + 3, mask=step * PPS + 3 < npages, other=0)
-    t2 = desc.load([p2 * rpp + h * PS, 0])
-    t3 = desc.load([p3 * rpp + h * PS, 0])
-    x = tl.join(tl.join(t0, t1), tl.join(t2, t3))  # [n, c, a, b] = page 2b + a's [n, c]
-    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (4 * PS, t0.shape[1]))
 
 
 @triton.jit
@@ -184,14 +164,12 @@ def _page_step_dq(
     qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3,
     D: tl.constexpr, PS: tl.constexpr, ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr,
     KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, MASKED: tl.constexpr, PPS: tl.constexpr = 1,
-    kd=None, vd=None, bt_row=None, npages=0, rpp=0, DESC: tl.constexpr = False,
 ):
     """One 2-bit page, ``fold="dequant"``: the code tiles become float16 ``o + c s`` once per page (the
     dequantization rides in the unpacking asm: one more fma per pair, shared by every query row), then plain
     flash attention on them: no per-score scale/offset work. ``ksr``..``vor``: this page's row metadata,
     loaded a page ahead. Channel-page keys use their own (normalised) dequantization. ``PPS`` > 1 (token pages
-    only): ``PPS`` pages per step as one ``[PS PPS, D]`` tile (``page``: each row's page id), step ``p``.
-    ``DESC`` (token pages): the code tiles through the TMA descriptors ``kd``/``vd`` (:func:`_desc_tile`)."""
+    only): ``PPS`` pages per step as one ``[PS PPS, D]`` tile (``page``: each row's page id), step ``p``."""
     DQ: tl.constexpr = D // 4
     NB: tl.constexpr = PS * PPS
     if F32DOT:
@@ -204,10 +182,7 @@ def _page_step_dq(
         crow = page * s_cp + h * s_ch + n * DQ
     else:
         crow = page * s_cp + h * s_ch + (n % PS) * DQ
-    if DESC:
-        kc = _desc_tile(kd, bt_row, p, npages, h, rpp, PS, PPS)
-    else:
-        kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
+    kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
     if MASKED:  # metadata past the sequence end may be NaN: the values' must not reach the product
         tmask = p * NB + n < ntok
         vsr = tl.where(tmask, vsr, 0.0)
@@ -231,10 +206,7 @@ def _page_step_dq(
     m_new, alpha, pr = _online(s, m_i, csc, 0.0, tau, LAZY)
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     pv = pr.to(tl.float16).to(DT)
-    if DESC:
-        vc = _desc_tile(vd, bt_row, p, npages, h, rpp, PS, PPS)
-    else:
-        vc = tl.load(vc_ptr + crow[:, None] + c[None, :])
+    vc = tl.load(vc_ptr + crow[:, None] + c[None, :])
     v0, v1, v2, v3 = _dequant4(vc, tl.broadcast_to(vsr[:, None], (NB, DQ)), tl.broadcast_to(vor[:, None], (NB, DQ)),
                                ASM, DT)
     a0, a1, a2, a3 = _rescale(a0, a1, a2, a3, alpha, m_new != m_i, LAZY, VCAT)
@@ -299,11 +271,11 @@ def _extend_kernel(
     q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
     k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, out_ptr, so_b, so_t, so_h,
-    T, HKV, sm_scale, kd, vd, rpp,
+    T, HKV, sm_scale,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ASM: tl.constexpr, F32DOT: tl.constexpr, KCH: tl.constexpr, QNAT: tl.constexpr, CBF: tl.constexpr,
     KCAT: tl.constexpr, VCAT: tl.constexpr, LAZY: tl.constexpr, PMUL16: tl.constexpr, TAU: tl.constexpr,
-    DENSE_STAGES: tl.constexpr, DEQ: tl.constexpr, PPS: tl.constexpr, DESC: tl.constexpr,
+    DENSE_STAGES: tl.constexpr, DEQ: tl.constexpr, PPS: tl.constexpr,
 ):
     """``DEQ``: ``fold="dequant"`` (:func:`_page_step_dq`), else the scale/offset factoring (:func:`_page_step`).
     ``KCAT``/``VCAT``: keys/values as one natural-order ``[n, D]`` operand (else four field blocks).
@@ -394,7 +366,7 @@ def _extend_kernel(
     # page ids are read one page ahead, so the code and metadata loads of a page depend on a value loaded an
     # iteration earlier and the loop pipeliner can issue them early (not behind a block-table load)
     page = tl.load(bt_row, mask=npages > 0, other=0).to(tl.int64)
-    if DEQ and (PPS > 1 or DESC):
+    if DEQ and PPS > 1:
         # PPS pages per step, one [PS PPS, D] tile (token pages): the steps' page ids are read a step ahead
         NB: tl.constexpr = PS * PPS
         lv = 0.0
@@ -413,14 +385,14 @@ def _extend_kernel(
             m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
                 p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
                 qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
-                False, PPS, kd, vd, bt_row, npages, rpp, DESC)
+                False, PPS)
             page = page_next
             ksr, kor, vsr, vor = ks_n, ko_n, vs_n, vo_n
         if nsf * NB < ntok:
             m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
                 nsf, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
                 qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
-                True, PPS, kd, vd, bt_row, npages, rpp, DESC)
+                True, PPS)
     elif DEQ:
         lv = 0.0
         # (page 0 stands in past the last page: every pool holds one; an empty pool is never read)
@@ -493,7 +465,7 @@ def _extend_kernel(
 def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+    out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
     dense_stages: int = 2, fold: str = "dequant", unpack: str = "cat", qnative: bool | None = None,
     rescale: str = "always", pmul: str = "f16", maxnreg: int = 0, pages_per_step: int | None = None,
     tma: bool = False,
@@ -506,7 +478,8 @@ def extend_attention_triton(
 
     Tuning (results agree within the error budget): ``block_m`` query rows ((token, GQA head) pairs) per
     program; ``block_n`` 16-bit keys per tile (2-bit tiles are one page); ``num_warps``; ``num_stages``
-    (software pipelining of the page loop's loads) and ``dense_stages`` (of the 16-bit loops); ``maxnreg``
+    (software pipelining of the page loop's loads; default None: 2 with more than one page a step, else 3,
+    as measured fastest on the H200, docs/results/kernels_h200.md) and ``dense_stages`` (of the 16-bit loops); ``maxnreg``
     (register cap, 0 = none). Variants: ``fold`` (``"dequant"``: each page's code tiles are
     dequantized to float16 once, shared by all query rows, and attention runs on them; ``"factor"``: scale and
     offset factored out of both products, applied per score); ``unpack`` (module docstring); ``rescale``
@@ -516,8 +489,7 @@ def extend_attention_triton(
     False prescales it to float16 as channel pages always do) and ``pmul`` (``"f16"``: ``P s_v`` multiplied
     in float16, ``"f32"``: in float32 then rounded). ``"dequant"`` with token pages only: ``pages_per_step``
     (1, 2 or 4 pages as one ``[page_size pages_per_step, d]`` tile per step: fewer, larger online-softmax
-    steps; default None = 2 there, 1 otherwise) and ``tma`` (the code tiles through TMA descriptors over the
-    contiguous code pools, one ``[page_size, d/4]`` box per page, joined in page order).
+    steps; default None = 2 there, 1 otherwise).
     ``fold="workspace"``: two passes, the 2-bit pages first dequantized (float16, the same values as
     ``"dequant"``) into a transient ``[B, Hkv, pages, d]`` K and V workspace (``2 B Hkv page_size
     block_table.shape[1] d`` float16 values: 133 MB at 32K tokens x 8 KV heads x d 128), then plain flash
@@ -552,15 +524,16 @@ def extend_attention_triton(
                          f"one of {FOLDS}; got {unpack!r}, {rescale!r}, {pmul!r}, {fold!r}")
     if not (_pow2(block_m) and _pow2(block_n) and block_m >= 16 and block_n >= 16):
         raise ValueError(f"block_m and block_n must be powers of two >= 16, got {block_m}, {block_n}")
+    if pages_per_step is None:  # the measured best fused geometry: 2 pages a step (token pages, "dequant")
+        pages_per_step = 2 if fold == "dequant" and not fmt.channel else 1
+    if num_stages is None:  # H200, session 14: 2 pages a step 3.26 ms with 2 stages, 3.43 with 3
+        num_stages = 2 if pages_per_step > 1 else 3
     if num_stages < 1 or dense_stages < 1 or maxnreg < 0:
         raise ValueError(f"num_stages and dense_stages must be >= 1 and maxnreg >= 0, got {num_stages}, "
                          f"{dense_stages}, {maxnreg}")
-    if pages_per_step is None:  # the measured best fused geometry: 2 pages a step (token pages, "dequant")
-        pages_per_step = 2 if fold == "dequant" and not fmt.channel else 1
-    if tma and (fold == "factor" or (fold == "dequant" and fmt.channel)):
-        raise ValueError("tma=True applies to fold='workspace' and to fold='dequant' with token-page keys")
-    if tma and fold == "dequant" and not (k_pages.codes.is_contiguous() and v_pages.codes.is_contiguous()):
-        raise ValueError("tma=True with fold='dequant' needs contiguous code pools")
+    if tma and fold != "workspace":  # code tiles through TMA in the fused folds: removed (session 14: did not
+        # compile at 2 pages a step with triton 3.6, and 4.39 vs 3.57 ms at 4 pages on the H200)
+        raise ValueError("tma=True applies to fold='workspace' only (the workspace tiles through TMA descriptors)")
     if pages_per_step not in (1, 2, 4) or (pages_per_step > 1 and (fold != "dequant" or fmt.channel)):
         raise ValueError(f"pages_per_step must be 1, 2 or 4, and > 1 only with fold='dequant' and token-page "
                          f"keys; got {pages_per_step} (fold {fold!r}, key layout {fmt.layout!r})")
@@ -594,19 +567,11 @@ def extend_attention_triton(
     interp = interpreting()
     cap = {"maxnreg": int(maxnreg)} if maxnreg and not interp else {}
     qnat = (True if qnative is None else bool(qnative)) and not fmt.channel
-    kd, vd, rpp = k_pages.codes, v_pages.codes, 0
-    if tma:  # the code pools as [pages Hkv PS, d/4] rows, one [PS, d/4] box per page and head
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        dq, ps = fmt.row_bytes, fmt.page_size
-        kd = TensorDescriptor.from_tensor(k_pages.codes.view(-1, dq), [ps, dq])
-        vd = TensorDescriptor.from_tensor(v_pages.codes.view(-1, dq), [ps, dq])
-        rpp = k_pages.codes.stride(0) // dq
     _extend_kernel[grid](
-        *args, kd, vd, rpp, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interp, F32DOT=interp,
+        *args, G=g, D=d, PS=fmt.page_size, BLOCK_M=block_m, BLOCK_N=block_n, ASM=not interp, F32DOT=interp,
         KCH=fmt.channel, QNAT=qnat, CBF=qnat and q.dtype == torch.bfloat16, KCAT=unpack == "cat",
         VCAT=unpack in ("vcat", "cat"), LAZY=rescale == "lazy", PMUL16=pmul == "f16", TAU=LAZY_TAU,
-        DENSE_STAGES=dense_stages, DEQ=fold == "dequant", PPS=pages_per_step, DESC=bool(tma), num_warps=num_warps,
+        DENSE_STAGES=dense_stages, DEQ=fold == "dequant", PPS=pages_per_step, num_warps=num_warps,
         num_stages=num_stages, **cap,
     )
     return out

@@ -642,6 +642,19 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
            "prefetch": 0, "kernel": "rows", "split": 1, "hred": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
+    named = {v.partition("=")[0] for v in variant}
+    if bits == 2 and not named & set(_KERNELS):
+        # default: the fast16 kernel with a row over 2 threads, one row block per program and float64-exact
+        # thresholds, where fast16_ok allows (H200, 32768 rows x 8 heads, K+V, clip 0.96/0.92: 0.0770 ms vs
+        # 0.1128 ms for the row kernel's default, bit-identical; docs/results/kernels_h200.md, session 14);
+        # _launch falls back to the row kernel with its own defaults elsewhere ("auto16")
+        opt.update(kernel="fast16", auto16=1)
+        if "split" not in named:
+            opt["split"] = 2
+        if "bpp" not in named:
+            opt["bpp"] = 1
+        if not named & set(_CODE_FORMS):
+            opt["codes"] = _CODE_FORMS["code_thr64"]
     for v in variant:
         name, _, val = v.partition("=")
         if not val and name in _CODE_FORMS:
@@ -713,6 +726,9 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         raise ValueError(f"the Triton quantize kernel needs head_dim % 4 == 0 (row quarters), got {d}; "
                          "use the reference")
     opt = _parse_variant(variant, fmt.bits)
+    if opt.get("auto16") and not fast16_ok(opt, k_pages, v_pages, None if fmt.channel else k, v, k_strides,
+                                           v_strides, None if fmt.channel else k_mean, v_mean, debug_rows):
+        opt = _parse_variant(tuple(variant) + ("rows",), fmt.bits)  # the row kernel, with its own defaults
     if opt["kernel"] == "fast16" and not any(v.startswith("block_r=") for v in variant):
         # one row spans d / (32 split) threads: fill the CTA without replication
         opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
