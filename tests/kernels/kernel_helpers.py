@@ -61,3 +61,30 @@ def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.flo
     v16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return kp, vp, bt, as_i32(lens), k16, v16, as_i32(lens16)
+
+
+def sharp_extend_case(device=DEVICE):
+    """An extend case built to stress the online softmax: keys growing along the prefix (the running max moves by
+    far more than the lazy threshold, page after page), V scales 100x larger after the first page (P s_v / v_ref
+    far from 1), a sharp softmax (queries x3). Returns (q, k_new, v_new, cache args, float64 reference)."""
+    from oscarkv.kernels.reference import extend_attention_ref
+
+    hkv, g, d, ps, n, T = 1, 4, 64, 16, 90, 6
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
+    kp, vp = poisoned_pages(fmt, 9, device), poisoned_pages(fmt, 9, device)
+    npg = -(-n // ps)
+    bt = torch.randperm(9, device=device)[:npg].int()[None]
+    pos = torch.arange(n, device=device)
+    slots = bt[0, pos // ps].long() * ps + pos % ps
+    grow = torch.linspace(1.0, 6.0, n, device=device)[:, None, None]
+    quantize_write_ref(kp, torch.randn(n, hkv, d, device=device) * grow, slots, clip_ratio=0.96)
+    vscale = torch.where(pos >= ps, 100.0, 1.0)[:, None, None]
+    quantize_write_ref(vp, torch.randn(n, hkv, d, device=device) * vscale, slots, clip_ratio=0.92)
+    k16 = torch.randn(1, hkv, 4, d, device=device).half()
+    v16 = torch.randn(1, hkv, 4, d, device=device).half()
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    args = (kp, vp, bt, as_i32([n]), k16, v16, as_i32([3]))
+    q = (torch.randn(1, T, hkv * g, d, device=device) * 3).half()
+    kn = torch.randn(1, T, hkv, d, device=device).half()
+    vn = torch.randn(1, T, hkv, d, device=device).half()
+    return q, kn, vn, args, extend_attention_ref(q, kn, vn, *args, dtype=torch.float64)

@@ -13,14 +13,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import DEVICE, build_cache, poisoned_pages, rel_err
+from kernel_helpers import DEVICE, build_cache, rel_err, sharp_extend_case
 
 from oscarkv.kernels.decode_triton import decode_attention_triton
 from oscarkv.kernels import extend_tiles
 from oscarkv.kernels.extend_triton import extend_attention_triton
-from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.plan import DecodePlan
-from oscarkv.kernels.reference import decode_attention_ref, extend_attention_ref, quantize_write_ref
+from oscarkv.kernels.reference import decode_attention_ref, extend_attention_ref
 
 GPU = DEVICE.type == "cuda"
 BUDGET = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # extend
@@ -148,25 +147,7 @@ def test_extend_sharp_attention_growing_scales():
     """Keys growing along the prefix (the running max moves by far more than the lazy threshold, page after
     page), V scales 100x larger after the first page (P s_v / v_ref far from 1), sharp softmax: every variant
     stays within the float16 budget."""
-    hkv, g, d, ps, n, T = 1, 4, 64, 16, 90, 6
-    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
-    kp, vp = poisoned_pages(fmt, 9, DEVICE), poisoned_pages(fmt, 9, DEVICE)
-    npg = -(-n // ps)
-    bt = torch.randperm(9, device=DEVICE)[:npg].int()[None]
-    pos = torch.arange(n, device=DEVICE)
-    slots = bt[0, pos // ps].long() * ps + pos % ps
-    grow = torch.linspace(1.0, 6.0, n, device=DEVICE)[:, None, None]
-    quantize_write_ref(kp, torch.randn(n, hkv, d, device=DEVICE) * grow, slots, clip_ratio=0.96)
-    vscale = torch.where(pos >= ps, 100.0, 1.0)[:, None, None]
-    quantize_write_ref(vp, torch.randn(n, hkv, d, device=DEVICE) * vscale, slots, clip_ratio=0.92)
-    k16 = torch.randn(1, hkv, 4, d, device=DEVICE).half()
-    v16 = torch.randn(1, hkv, 4, d, device=DEVICE).half()
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    args = (kp, vp, bt, as_i32([n]), k16, v16, as_i32([3]))
-    q = (torch.randn(1, T, hkv * g, d, device=DEVICE) * 3).half()
-    kn = torch.randn(1, T, hkv, d, device=DEVICE).half()
-    vn = torch.randn(1, T, hkv, d, device=DEVICE).half()
-    ref = extend_attention_ref(q, kn, vn, *args, dtype=torch.float64)
+    q, kn, vn, args, ref = sharp_extend_case()
     blocks = {"block_m": 64} if GPU else {"block_m": 16, "block_n": 16}
     errs = {_vid(v): rel_err(extend_attention_triton(q, kn, vn, *args, **blocks, **v), ref) for v in EXT_VARIANTS}
     assert max(errs.values()) < BUDGET[torch.float16], errs

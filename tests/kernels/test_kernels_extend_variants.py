@@ -10,12 +10,11 @@ On a GPU the same tests run compiled, at larger shapes (the conftest sets ``TRIT
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, build_cache, poisoned_pages, rel_err
+from kernel_helpers import DEVICE, build_cache, rel_err, sharp_extend_case
 
 from oscarkv.kernels.extend_dense import dequant_workspace, extend_attention_dense
 from oscarkv.kernels.extend_triton import extend_attention_triton
-from oscarkv.kernels.layout import PageFormat
-from oscarkv.kernels.reference import extend_attention_ref, gather_dequant_ref, quantize_write_ref
+from oscarkv.kernels.reference import extend_attention_ref, gather_dequant_ref
 
 GPU = DEVICE.type == "cuda"
 BUDGET = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -128,25 +127,7 @@ def test_dense_prefix_kernel_matches_float64_attention(case, tma):
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
 def test_new_variants_sharp_attention_growing_scales(variant):
     """As test_kernels_attention's: the running max moves page after page, V scales 100x after the first page."""
-    hkv, g, d, ps, n, T = 1, 4, 64, 16, 90, 6
-    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
-    kp, vp = poisoned_pages(fmt, 9, DEVICE), poisoned_pages(fmt, 9, DEVICE)
-    npg = -(-n // ps)
-    bt = torch.randperm(9, device=DEVICE)[:npg].int()[None]
-    pos = torch.arange(n, device=DEVICE)
-    slots = bt[0, pos // ps].long() * ps + pos % ps
-    grow = torch.linspace(1.0, 6.0, n, device=DEVICE)[:, None, None]
-    quantize_write_ref(kp, torch.randn(n, hkv, d, device=DEVICE) * grow, slots, clip_ratio=0.96)
-    vscale = torch.where(pos >= ps, 100.0, 1.0)[:, None, None]
-    quantize_write_ref(vp, torch.randn(n, hkv, d, device=DEVICE) * vscale, slots, clip_ratio=0.92)
-    k16 = torch.randn(1, hkv, 4, d, device=DEVICE).half()
-    v16 = torch.randn(1, hkv, 4, d, device=DEVICE).half()
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    args = (kp, vp, bt, as_i32([n]), k16, v16, as_i32([3]))
-    q = (torch.randn(1, T, hkv * g, d, device=DEVICE) * 3).half()
-    kn = torch.randn(1, T, hkv, d, device=DEVICE).half()
-    vn = torch.randn(1, T, hkv, d, device=DEVICE).half()
-    ref = extend_attention_ref(q, kn, vn, *args, dtype=torch.float64)
+    q, kn, vn, args, ref = sharp_extend_case()
     blocks = {"block_m": 64} if GPU else {"block_m": 16, "block_n": 16}
     kw = {**blocks, **{k: x for k, x in variant.items() if GPU or k not in _GEOMETRY}}
     assert rel_err(extend_attention_triton(q, kn, vn, *args, **kw), ref) < BUDGET[torch.float16]
