@@ -383,12 +383,8 @@ def _threshold64(s, k: tl.constexpr):
 # result, used in the CPU interpreter (INTERP), so the interpreter tests check the arithmetic of the GPU path.
 @triton.jit
 def _w_lo(w, BF16: tl.constexpr):
-    """float32 value of the low (even) 16-bit element of each word."""
-    if BF16:
-        v = (w << 16).to(tl.float32, bitcast=True)
-    else:
-        v = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return v
+    """float32 value of the low (even) 16-bit element of each word (:func:`_from16` reads only the low half)."""
+    return _from16(w, BF16)
 
 
 @triton.jit
