@@ -66,14 +66,13 @@ LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max ex
 def _step_pages(bt_row, step, npages, PS: tl.constexpr, PPS: tl.constexpr):
     """The page id of step ``step`` (page 0 past the last): a scalar for one page a step, else that of each of
     the ``PS PPS`` rows (``PPS`` pages)."""
-    if PPS == 1:  # (one return: the compiler rejects returns of different types in one function)
-        page = tl.load(bt_row + step, mask=step < npages, other=0).to(tl.int64)
-    else:
-        sel = tl.arange(0, PS * PPS) // PS
-        page = tl.zeros([PS * PPS], tl.int64)
-        for j in tl.static_range(PPS):
-            pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
-            page = tl.where(sel == j, pj, page)
+    if PPS == 1:
+        return tl.load(bt_row + step, mask=step < npages, other=0).to(tl.int64)
+    sel = tl.arange(0, PS * PPS) // PS
+    page = tl.zeros([PS * PPS], tl.int64)
+    for j in tl.static_range(PPS):
+        pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
+        page = tl.where(sel == j, pj, page)
     return page
 
 
