@@ -503,16 +503,23 @@ def _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, s_xm, s_wn, s_rm,
-                     s_ym, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr,
-                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+def _gemv_krange(K, KS, SPLIT: tl.constexpr):
+    """The K range ``[k_lo, k_hi)`` of this program: all of K, or its split-K slice (``program_id(1)``)."""
     if SPLIT == 1:
         k_lo = 0
         k_hi = K
     else:
         k_lo = tl.program_id(1) * KS
         k_hi = tl.minimum(k_lo + KS, K)
+    return k_lo, k_hi
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, s_xm, s_wn, s_rm,
+                     s_ym, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+    k_lo, k_hi = _gemv_krange(K, KS, SPLIT)
     if MP == 1 and PDL:
         # Programmatic dependent: let the next kernel launch now, load the first weight tile (which no kernel
         # writes) while the previous kernel drains, and only then wait for it and read x / the residual.
@@ -562,12 +569,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr,
                      s_ym, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
                      SPLIT: tl.constexpr, PDL: tl.constexpr):
-    if SPLIT == 1:
-        k_lo = 0
-        k_hi = K
-    else:
-        k_lo = tl.program_id(1) * KS
-        k_hi = tl.minimum(k_lo + KS, K)
+    k_lo, k_hi = _gemv_krange(K, KS, SPLIT)
     _pdl_enter(PDL)  # the pipelined loop starts with its loads: wait before it
     rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
     acc = tl.zeros([BN, MP], tl.float32)
