@@ -5,6 +5,10 @@ layer-after-layer sequence of calls (no L2 flush between them, as in an engine s
     PYTHONPATH=. python3 benchmarks/decode_probe.py --out decode_probe.json
     PYTHONPATH=. ncu --clock-control none --kernel-name regex:oscar_decode --launch-skip 6 --launch-count 4 \
         --section SpeedOfLight --section WarpStateStats python3 benchmarks/decode_probe.py --ncu 131072x1
+    # stall reasons per issued instruction (docs/results/decode_ncu_stalls_131072x1_h200.txt):
+    PYTHONPATH=. ncu --clock-control none --kernel-name regex:oscar_decode_split --launch-skip 3 --launch-count 1 \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        python3 benchmarks/decode_probe.py --ncu 131072x1
 
 Experiments (rows of the table):
   sweep       default plan and variant, batch 1 and 8, contexts 4K..128K: the intercept is the fixed cost
