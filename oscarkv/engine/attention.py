@@ -9,7 +9,6 @@ has read the prefix as stored.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +43,7 @@ def _triton_decode():
                 except ImportError:  # a dispatch path whose module is not installed: the Triton kernel
                     from ..kernels.decode_triton import decode_attention_triton  # noqa: PLC0415
 
-                    for name in ("pdl", "prefetch", "prefetch_bytes", "prefetch_policy"):
-                        kw.pop(name, None)
+                    kw.pop("pdl", None)
                     return decode_attention_triton(*a, **kw)
             return fast, dispatch.DecodePlan
     except ImportError:
@@ -55,7 +53,7 @@ def _triton_decode():
         from ..kernels.plan import DecodePlan  # noqa: PLC0415
     except ImportError:
         return None
-    return (lambda *a, pdl=False, prefetch=None, **kw: decode_attention_triton(*a, **kw)), DecodePlan
+    return (lambda *a, pdl=False, **kw: decode_attention_triton(*a, **kw)), DecodePlan
 
 
 def _kernel_op(name: str):
@@ -150,14 +148,10 @@ class DecodeCtx(_Ctx):
             buf = pool.buf[:, layer]
             buf[:, self.rows, :, self.widx] = kv.transpose(0, 1).to(buf.dtype)
 
-    def attention(self, layer: int, q: Tensor, kv: Tensor | None, pdl: bool = False,
-                  prefetch: Tensor | None = None) -> Tensor:
+    def attention(self, layer: int, q: Tensor, kv: Tensor | None, pdl: bool = False) -> Tensor:
         """``kv=None``: QK-prep has already stored the new token's K/V at ``kv_dest(layer)``. ``pdl``: the decode
         kernels as programmatic dependent launches (the BF16 paged decode's two Triton kernels; the CUDA 2-bit
-        kernel's ``pdl=True``: its split kernel waits at its start, its merge kernel lets the next one start).
-        ``prefetch``: weights the 2-bit decode kernel asks to be brought into L2 (``weight_prefetch`` of
-        :class:`~oscarkv.engine.model.Transformer`; ``$OSCARKV_WEIGHT_PREFETCH_MB`` caps the bytes); ignored by
-        the BF16 cache and the reference path."""
+        kernel's ``pdl=True``: its split kernel waits at its start, its merge kernel lets the next one start)."""
         pool = self.pool
         if isinstance(pool, Bf16Pool):
             if kv is not None:
@@ -177,13 +171,6 @@ class DecodeCtx(_Ctx):
         extra = {"plan": self.plan} if self.plan is not None else {}
         if pdl and self._decode_pdl:
             extra["pdl"] = True
-        if prefetch is not None and self.plan is not None:  # the graph-safe kernel path
-            extra["prefetch"] = prefetch
-            mb = os.environ.get("OSCARKV_WEIGHT_PREFETCH_MB")
-            if mb:
-                extra["prefetch_bytes"] = int(float(mb) * 2**20)
-            if os.environ.get("OSCARKV_WEIGHT_PREFETCH", "") == "normal":
-                extra["prefetch_policy"] = "normal"
         out = self._decode(q, kp, vp, self.block_table, self.qlen, buf[0, : self.bs], buf[1, : self.bs], self.lens,
                            sm_scale=self.sm_scale, **extra)
         return out if out.dtype == q.dtype else out.to(q.dtype)

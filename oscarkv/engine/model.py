@@ -99,8 +99,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
         return self.o_proj(self.core(self.qkv(x), cos, sin, ctx, pdl))
 
-    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False,
-             prefetch: Tensor | None = None) -> Tensor:
+    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
         """From the fused QKV projection to the attention output ``[N, Hq * d]`` (before ``o_proj``). ``pdl``:
         QK-prep and the decode attention as programmatic dependent launches (a decode step's chain)."""
         c = self.cfg
@@ -109,10 +108,7 @@ class Attention(nn.Module):
         kn = self.k_norm.weight if c.qk_norm else None
         q, kv = ops.qk_prep(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, qn, kn, c.rms_eps, r_k, mu_k,
                             ctx.kv_dest(self.layer), pdl=pdl)
-        kw = {"pdl": True} if pdl else {}
-        if prefetch is not None:  # an L2 prefetch hint for the attention kernel (decode contexts only)
-            kw["prefetch"] = prefetch
-        o = ctx.attention(self.layer, q, kv, **kw)
+        o = ctx.attention(self.layer, q, kv, pdl=pdl) if pdl else ctx.attention(self.layer, q, kv)
         return o.reshape(qkv.shape[0], -1)  # [N, Hq, d] in the (rotated) value basis
 
 
@@ -134,18 +130,15 @@ class Block(nn.Module):
         h, residual = ops.rmsnorm(self.attn(h, cos, sin, ctx, pdl), self.post_norm.weight, eps, residual, pdl=pdl)
         return self.down(ops.silu_mul(self.gate_up(h), pdl=pdl)), residual
 
-    def forward_gemv(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False,
-                     prefetch: bool = False) -> Tensor:
+    def forward_gemv(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: Any, pdl: bool = False) -> Tensor:
         """The same block for a few decode rows with the fused GEMV (``ops.gemv``): the norms and the SiLU gate
         run in the next projection's prologue, the residual adds in the previous one's epilogue. ``x`` is the
         residual stream (input + all earlier outputs); returns the stream after this block. ``pdl``: all seven
         kernels (four GEMVs, QK-prep, the attention's two) are programmatic dependent launches: each may start
-        while the one before drains, and a GEMV loads its first weight tile before waiting for its input.
-        ``prefetch``: the 2-bit decode attention asks for the o_proj weights to be brought into L2 while it runs
-        (it is latency-bound at batch 1 and leaves HBM bandwidth unused)."""
+        while the one before drains, and a GEMV loads its first weight tile before waiting for its input."""
         eps, a = self.input_norm.eps, self.attn
         qkv = ops.gemv(x, a.qkv.weight, a.qkv.bias, norm=self.input_norm.weight, eps=eps, pdl=pdl)
-        o = a.core(qkv, cos, sin, ctx, pdl, prefetch=a.o_proj.weight if prefetch else None)
+        o = a.core(qkv, cos, sin, ctx, pdl)
         x = ops.gemv(o, a.o_proj.weight, a.o_proj.bias, residual=x, pdl=pdl)
         gu = ops.gemv(x, self.gate_up.weight, norm=self.post_norm.weight, eps=eps, pdl=pdl)
         return ops.gemv(gu, self.down.weight, act="silu", residual=x, pdl=pdl)
@@ -195,9 +188,6 @@ class Transformer(nn.Module):
         self.set_rope(1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
         self.set_gemv(gemv)
         self.set_pdl(pdl)
-        # (experimental) L2 prefetch of each layer's o_proj weights by the 2-bit decode attention of single-row
-        # PDL steps: $OSCARKV_WEIGHT_PREFETCH "1" (evict_last priority) or "normal"; off when unset or "0"
-        self.weight_prefetch = os.environ.get("OSCARKV_WEIGHT_PREFETCH", "0") not in ("", "0")
 
     def set_rope(self, inv_freq: Tensor, scaling: float = 1.0) -> None:
         """RoPE frequencies ``[d/2]`` (float32) and attention scaling."""
@@ -236,9 +226,8 @@ class Transformer(nn.Module):
         else:
             x, cos, sin = ops.embed_rope_torch(tokens, positions, w, self.inv_freq2, self.rope_scaling)
         if last is None and self._use_gemv(x):
-            wpf = pdl and getattr(self, "weight_prefetch", False)
             for block in self.layers:
-                x = block.forward_gemv(x, cos, sin, ctx, pdl, prefetch=wpf)
+                x = block.forward_gemv(x, cos, sin, ctx, pdl)
             logits = ops.gemv(x, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.eps,
                               out_dtype=torch.float32 if pdl else None, pdl=pdl)
             return logits.float()

@@ -208,8 +208,7 @@ _P_FIELDS = ([(n, ctypes.c_uint64) for n in "q kc vc ks ko vs vo bt qlen k16 v16
                                                "sl_b sl_h hkv tok_per_split num_qsplits tok16_per_split").split()]
              + [("sm_scale_log2", ctypes.c_double), ("magic", ctypes.c_int64)]
              + [(n, ctypes.c_uint64) for n in ("counters", "out")]
-             + [(n, ctypes.c_int64) for n in ("merge_splits", "sout_b", "sout_h", "out_dtype")]
-             + [("pf_ptr", ctypes.c_uint64), ("pf_bytes", ctypes.c_int64), ("pf_evict_last", ctypes.c_int64)])
+             + [(n, ctypes.c_int64) for n in ("merge_splits", "sout_b", "sout_h", "out_dtype")])
 _Params = _struct("_Params", _P_FIELDS)
 _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
     (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
@@ -275,8 +274,7 @@ def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     plan: DecodePlan | None = None, out: Tensor | None = None, fused: bool | None = None, merge: str = "kernel",
-    variant: str | None = None, pdl: bool = False, prefetch: Tensor | None = None,
-    prefetch_bytes: int | None = None, prefetch_policy: str = "evict_last",
+    variant: str | None = None, pdl: bool = False,
 ) -> Tensor:
     """Decode attention with the CUDA C++ kernel; arguments and result as
     :func:`oscarkv.kernels.decode_triton.decode_attention_triton`. At most 8 query heads per KV head (larger
@@ -293,21 +291,7 @@ def decode_attention_cuda(
     ``pdl``: launch the split kernel as a programmatic dependent of the previous kernel on the stream (it waits
     for that kernel at its start, so its launch and prologue overlap that kernel's tail), the merge kernel as a
     dependent of the split kernel, and let the next kernel start during the merge (variants "pdl" and "pdlw";
-    the next kernel must itself wait, griddepcontrol.wait / Triton's gdc_wait, before touching the output).
-    ``prefetch``: a tensor that no kernel in flight writes (the engine passes the next projection's weights),
-    whose first ``prefetch_bytes`` (default all) the split kernel's CTAs ask to be brought into L2 at their
-    start (``prefetch.global.L2``, one 128-byte line per thread and instruction, ``prefetch_policy``
-    "evict_last" or "normal"): a batch-1 decode is latency-bound and leaves HBM bandwidth unused that the next
-    GEMV would otherwise wait for. A hint: results are unchanged."""
-    if prefetch_policy not in ("evict_last", "normal"):
-        raise ValueError(f"prefetch_policy must be 'evict_last' or 'normal', got {prefetch_policy!r}")
-    pf_ptr = pf_bytes = 0
-    if prefetch is not None:
-        if prefetch.device != q.device or not prefetch.is_contiguous():
-            raise ValueError("prefetch must be a contiguous tensor on the queries' device")
-        pf_bytes = prefetch.numel() * prefetch.element_size()
-        pf_bytes = min(pf_bytes, int(prefetch_bytes)) if prefetch_bytes is not None else pf_bytes
-        pf_ptr = prefetch.data_ptr() if pf_bytes > 0 else 0
+    the next kernel must itself wait, griddepcontrol.wait / Triton's gdc_wait, before touching the output)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     explicit = variant is not None
@@ -358,7 +342,7 @@ def decode_attention_cuda(
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split, scale, 0x64006400,
         plan.counters.data_ptr() if merge == "fused" else 0, out.data_ptr(), plan.num_splits if merge == "fused" else 0,
         out.stride(0),
-        out.stride(1), _DT[out.dtype], pf_ptr, max(pf_bytes, 0), int(prefetch_policy == "evict_last"),
+        out.stride(1), _DT[out.dtype],
     )
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -370,7 +354,6 @@ def decode_attention_cuda(
         split_fn, _ = _functions(key, dev)
         _launch(split_fn, (nsplit, B * fmt.num_kv_heads), 32 * _NW, p, stream, smem=_smem_bytes(key),
                 pdl=bool(dict(key)["PDLW_"]))
-        p.pf_bytes = 0  # the region once, by the first launch (the driver copied the parameters)
     if merge == "fused":
         return out
     mkey = config_key(d, g, fmt.page_size, q.dtype, k16.dtype, fmt.meta_dtype, parts[0][0], variant=variant)

@@ -138,15 +138,13 @@ def decode_attention(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     plan: DecodePlan | None = None, out: Tensor | None = None, backend: str = "auto", pdl: bool = False,
-    prefetch: Tensor | None = None, prefetch_bytes: int | None = None, prefetch_policy: str = "evict_last",
 ) -> Tensor:
     """One query per sequence (``q [B, Hq, d]``, rotated) over its 16-bit tiers (``k16/v16 [B, Hkv, C16, d]``,
     ``len16 [B]``) and 2-bit pages (``block_table [B, max_pages]``, ``qlen [B]``, int32). Returns
     ``[B, Hq, d]`` in q's dtype, in the rotated V basis. ``plan``: see :class:`DecodePlan` (kernel paths).
     Keys in channel pages and float32 16-bit tiers run on the Triton kernel ("auto" never picks the CUDA C++
     kernel for them; ``backend="cuda"`` raises ``ValueError``). ``pdl``: the CUDA kernel's programmatic dependent
-    launch (:func:`oscarkv.kernels.decode_cuda.decode_attention_cuda`); ignored by the other paths, as is
-    ``prefetch`` (an L2 prefetch hint of a tensor no kernel writes, e.g. the next projection's weights)."""
+    launch (:func:`oscarkv.kernels.decode_cuda.decode_attention_cuda`); ignored by the other paths."""
     which = _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt), cuda_fmt=k_pages.fmt,
                   dtype16=k16.dtype, q_dtype=q.dtype)
     if which == "reference":
@@ -158,8 +156,7 @@ def decode_attention(
         from .decode_cuda import decode_attention_cuda
 
         return decode_attention_cuda(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan,
-                                     out=out, pdl=pdl, prefetch=prefetch, prefetch_bytes=prefetch_bytes,
-                                     prefetch_policy=prefetch_policy)
+                                     out=out, pdl=pdl)
     from .decode_triton import decode_attention_triton
 
     return decode_attention_triton(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, sm_scale, plan=plan,

@@ -80,28 +80,3 @@ def test_cuda_decode_in_cuda_graph_sees_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, decode_attention_ref(q, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)) < 1e-3
-
-
-@pytest.mark.parametrize("policy", ["evict_last", "normal"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_cuda_decode_l2_prefetch_changes_nothing(policy, fused):
-    """``prefetch=`` (an L2 hint for another tensor, e.g. the next projection's weights) leaves the output
-    bit-identical, whole or capped at a size that is not a multiple of the 128-byte line, and the tensor intact."""
-    from oscarkv.kernels.decode_cuda import decode_attention_cuda
-
-    B, hkv, g, d = 3, 8, 4, 128
-    args = build_cache(B, hkv, g, d, 64, [2500, 700, 64], [300, 5, 0], 320)
-    q = torch.randn(B, hkv * g, d, device=DEVICE, dtype=torch.bfloat16)
-    plan = DecodePlan(B, hkv * g, hkv, d, 64, args[2].shape[1], 320, device=DEVICE).update(B)
-    w = torch.randn(4096, 1000, device=DEVICE, dtype=torch.bfloat16)
-    w0 = w.clone()
-    base = decode_attention_cuda(q, *args, plan=plan, fused=fused)
-    for nbytes in (None, 1000 * 2 * 3 + 6, 0):
-        out = decode_attention_cuda(q, *args, plan=plan, fused=fused, prefetch=w, prefetch_bytes=nbytes,
-                                    prefetch_policy=policy)
-        assert torch.equal(out, base)
-    assert torch.equal(w, w0)
-    with pytest.raises(ValueError, match="contiguous"):
-        decode_attention_cuda(q, *args, plan=plan, prefetch=w.t())
-    with pytest.raises(ValueError, match="prefetch_policy"):
-        decode_attention_cuda(q, *args, plan=plan, prefetch=w, prefetch_policy="first")

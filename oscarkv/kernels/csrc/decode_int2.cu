@@ -123,11 +123,6 @@ struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is 
   // out, found through a per-(sequence, KV head) ticket counter that it resets to 0 for the next launch
   uint64_t counters, out;
   int64_t merge_splits, sout_b, sout_h, out_dtype;  // out_dtype: 0 f32, 1 f16, 2 bf16
-  // L2 prefetch of a region no kernel writes (pf_bytes > 0; e.g. the next projection's weights, which a batch-1
-  // decode leaves HBM bandwidth for): each CTA asks for its contiguous share, one 128-byte line per thread and
-  // prefetch, before it waits for the previous kernel; pf_evict_last: with the L2::evict_last priority
-  uint64_t pf_ptr;
-  int64_t pf_bytes, pf_evict_last;
 };
 
 #if MT_ == 1
@@ -922,21 +917,6 @@ __device__ void merge_cta(const Params& p, int b, int h, int warp, int lane) {
   }
 }
 
-// Params::pf_*: this CTA's share of the prefetch region (a hint: no registers held, nothing waited for)
-__device__ __forceinline__ void l2_prefetch_region(const Params& p) {
-  const int64_t nct = (int64_t)gridDim.x * gridDim.y, id = (int64_t)blockIdx.y * gridDim.x + blockIdx.x;
-  const int64_t lines = (p.pf_bytes + 127) >> 7, per = (lines + nct - 1) / nct;
-  const int64_t l1 = min(lines, (id + 1) * per);
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.pf_ptr);
-  if (p.pf_evict_last) {
-    for (int64_t l = id * per + threadIdx.x; l < l1; l += blockDim.x)
-      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + (l << 7)));
-  } else {
-    for (int64_t l = id * per + threadIdx.x; l < l1; l += blockDim.x)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (l << 7)));
-  }
-}
-
 #ifndef MINB_
 #define MINB_ 1
 #endif
@@ -958,7 +938,6 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
   __shared__ float sm_o[NW][8][D];
 #define SM_O(w, hh, d) sm_o[w][hh][d]
 #endif
-  if (p.pf_bytes > 0) l2_prefetch_region(p);  // no kernel writes the region: before the wait
 #if PDLW_  // launched as a programmatic dependent: the previous kernel's writes are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
