@@ -7,15 +7,12 @@ the whole chain captured in one CUDA graph and replayed, pdl off vs on, for a fe
     layer:  36 x [qkv, qk_prep (K/V into a BF16 pool), paged BF16 decode split + merge over --ctx tokens,
                   o_proj, gate_up, down]   (the engine's BF16 decode layer, seven kernels)
 
-Config sets (``triton_ops.GEMV_SETS``; "default": the engine's heuristic for every projection; "splitk*":
-GemvConfig.split_k on the small projections, gate_up unchanged; "pipe*" / "pf3": double buffering / L2
-prefetch of a program's next tiles; sets in ``GEMV_SET_PREFETCH``: each GEMV prefetches that many bytes of the
-next GEMV's weights into L2 at its end). Printed per chain: ms per replay, us per layer, weight bytes / time
+Config sets ("default": the engine's heuristic for every projection; "splitk*": GemvConfig.split_k on the
+small projections, gate_up unchanged). Printed per chain: ms per replay, us per layer, weight bytes / time
 (TB/s), ratio to the weight floor (weight bytes / 4.7 TB/s), and the pdl gain. The step's other kernels
 (prologue, lm_head) are not in the chain; ``bench_e2e.py --pdl off,on`` times the whole step.
 
     PYTHONPATH=. python3 benchmarks/pdl_probe.py --out pdl_probe.json
-    PYTHONPATH=. python3 benchmarks/pdl_probe.py --configs default,pipe,pipe_next --pdl on --budget-s 60
 """
 
 from __future__ import annotations
@@ -81,24 +78,14 @@ class Layers:
         c = self.c
         return self.n * 2 * (self.ctx + 1) * c.num_kv_heads * c.head_dim * 2
 
-    def chain(self, cfgs: dict, pdl: bool, attn: bool, nxt: int = 0):
-        """``nxt`` > 0: each GEMV prefetches that many bytes of the next GEMV's weights into L2."""
+    def chain(self, cfgs: dict, pdl: bool, attn: bool):
         c, eps = self.c, self.c.rms_eps
         q = c.num_heads * c.head_dim
-
-        def pf(i: int, p: str):
-            if not nxt:
-                return None
-            j = PROJ.index(p) + 1
-            if j == len(PROJ):
-                i, j = i + 1, 0
-            return (self.w[i][PROJ[j]], nxt) if i < len(self.w) else None
 
         def run() -> torch.Tensor:
             x = self.x0
             for i, lw in enumerate(self.w):
-                qkv = triton_ops.gemv(x, lw["qkv"], norm=self.norms[0], eps=eps, config=cfgs["qkv"], pdl=pdl,
-                                      l2_prefetch=pf(i, "qkv"))
+                qkv = triton_ops.gemv(x, lw["qkv"], norm=self.norms[0], eps=eps, config=cfgs["qkv"], pdl=pdl)
                 if attn:
                     kvl = self.kv[i]
                     dest = ops.KVDest(kvl, self.off, kvl.stride(0), kvl.stride(2))
@@ -108,12 +95,9 @@ class Layers:
                                                 self.max_len, pdl=pdl).reshape(1, -1)
                 else:
                     o = qkv[:, :q]  # stands in for the attention output (row stride 6144)
-                x = triton_ops.gemv(o, lw["o_proj"], residual=x, config=cfgs["o_proj"], pdl=pdl,
-                                    l2_prefetch=pf(i, "o_proj"))
-                gu = triton_ops.gemv(x, lw["gate_up"], norm=self.norms[1], eps=eps, config=cfgs["gate_up"], pdl=pdl,
-                                     l2_prefetch=pf(i, "gate_up"))
-                x = triton_ops.gemv(gu, lw["down"], act="silu", residual=x, config=cfgs["down"], pdl=pdl,
-                                    l2_prefetch=pf(i, "down"))
+                x = triton_ops.gemv(o, lw["o_proj"], residual=x, config=cfgs["o_proj"], pdl=pdl)
+                gu = triton_ops.gemv(x, lw["gate_up"], norm=self.norms[1], eps=eps, config=cfgs["gate_up"], pdl=pdl)
+                x = triton_ops.gemv(gu, lw["down"], act="silu", residual=x, config=cfgs["down"], pdl=pdl)
             return x
         return run
 
@@ -161,16 +145,11 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="tokens the layer chain's paged decode reads")
     ap.add_argument("--chains", default="gemv,layer")
     ap.add_argument("--configs", default="default,splitk,splitk1,bn8", help=f"of {list(config_sets())}")
-    ap.add_argument("--pdl", default="off,on", help="off, on or off,on")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new rows after this many seconds")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
     ap.add_argument("--out", default="pdl_probe.json")
     args = ap.parse_args()
-    pdls = [{"off": False, "on": True}[v] for v in args.pdl.split(",")]
-    unknown = [n for n in args.configs.split(",") if n not in config_sets()]
-    if unknown:
-        raise SystemExit(f"--configs: unknown set(s) {unknown}: {sorted(config_sets())}")
     t0 = time.monotonic()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     layers = Layers(args.model, args.layers or PRESETS[args.model].num_layers, args.ctx, device=args.device,
@@ -179,9 +158,7 @@ def main() -> int:
     sets = config_sets()
     res = {"provenance": provenance(), "model": args.model, "layers": layers.n, "ctx": args.ctx, "weight_bytes": wb,
            "pdl_available": triton_ops.pdl_available(layers.x0), "peak_bw": PEAK_BW,
-           "configs": {k: {p: repr(v) for p, v in sets[k].items()} for k in args.configs.split(",")},
-           "next_prefetch_bytes": {k: triton_ops.GEMV_SET_PREFETCH.get(k, 0) for k in args.configs.split(",")},
-           "rows": []}
+           "configs": {k: {p: repr(v) for p, v in sets[k].items()} for k in args.configs.split(",")}, "rows": []}
     print(f"== {args.model}: {layers.n} layers, {wb / 1e9:.2f} GB of weights (floor {wb / PEAK_BW * 1e3:.3f} ms), "
           f"layer chain attends over {args.ctx} tokens; pdl available: {res['pdl_available']}", flush=True)
     print(f"   {'chain':6s} {'configs':8s} {'pdl':3s} | {'ms':>7s} {'us/layer':>8s} {'TB/s':>5s} {'x floor':>7s} | "
@@ -193,14 +170,14 @@ def main() -> int:
         for name in args.configs.split(","):
             cfgs = sets[name]
             outs = {}
-            for pdl in pdls:
+            for pdl in (False, True):
                 if time.monotonic() - t0 > args.budget_s:
                     print(f"   (budget of {args.budget_s:.0f} s spent: {chain}/{name}/pdl={pdl} and later rows skipped)")
                     res["truncated"] = True
                     break
                 row = {"chain": chain, "configs": name, "pdl": pdl}
                 try:
-                    g, out = capture(layers.chain(cfgs, pdl, attn, triton_ops.GEMV_SET_PREFETCH.get(name, 0)))
+                    g, out = capture(layers.chain(cfgs, pdl, attn))
                     ms = time_graph(g, args.replays)
                     outs[pdl] = out.float().clone()  # the captured output: what the last replay computed
                     del g

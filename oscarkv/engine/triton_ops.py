@@ -344,8 +344,7 @@ class GemvConfig:
     over all of K, or over one of ``split_k`` slices of K.
 
     ``kind`` "fma": CUDA-core FMAs; meant for one row: each thread sums its 16-byte vector of products in
-    registers, so the fp32 accumulator is ``[BN, BK / 8]`` (bf16); a 16 x 1024 tile needs 125-128 registers
-    (Triton 3.6, sm_90: the tile 64, the input row and RMSNorm weights 16 each, the accumulator 16);
+    registers, so the fp32 accumulator is ``[BN, BK / 8]`` (bf16) and a 16 x 1024 tile needs about 80 registers;
     the input row shares the weight tile's layout, so the loop has no layout conversion. More rows broadcast
     through a 3-D ``[MP, BN, BK]`` accumulator, which Triton converts through shared memory: correct but slow.
     "dot": tensor cores with the weight tile as the M side (``W[BN, BK] @ x^T[BK, 16]``, rows padded to 16),
@@ -356,10 +355,6 @@ class GemvConfig:
     takes a ticket; the last of a column block adds the partials in split order (deterministic), runs the
     epilogue and resets its ticket counter (graph-safe: nothing to zero between replays). Sums in a different
     order than ``split_k=1``, so results differ in the last bits.
-    One row, "fma" only (else ignored): ``pipeline``: register double buffering, tile k + 1's loads issued before
-    tile k's FMAs (twice the tile's registers; the same sums in the same order: bit-equal); ``prefetch_tiles``
-    P > 0: before the grid dependency wait (with PDL: while the previous kernel drains) each program also
-    prefetches its next P weight tiles into L2 (one PTX prefetch per 128-byte line; no registers held).
     (Register and pipelining figures: compiled for sm_90 with Triton 3.9, not yet timed on a GPU.)"""
 
     kind: str = "fma"
@@ -368,8 +363,6 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1
-    pipeline: bool = False
-    prefetch_tiles: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("fma", "dot"):
@@ -378,20 +371,14 @@ class GemvConfig:
             raise ValueError("the 'dot' GEMV needs block_n and block_k >= 16 (tensor-core tile)")
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
-        if self.prefetch_tiles < 0:
-            raise ValueError(f"GemvConfig.prefetch_tiles must be >= 0, got {self.prefetch_tiles}")
 
 
 # (padded rows, N, K) -> config; benchmarks/gemv_probe.py --sweep prints entries measured on a GPU
 GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
-def _fma1(split: int = 1, bn: int = 16, bk: int = 1024, nw: int = 4, pipe: bool = False, pf: int = 0) -> GemvConfig:
-    return GemvConfig("fma", bn, bk, nw, 1, split_k=split, pipeline=pipe, prefetch_tiles=pf)
-
-
-_PIPE = _fma1(1, 16, 512, pipe=True)  # double-buffered 16 x 512: 128 registers (sm_90, Triton 3.6), as the default
-_PIPE8 = _fma1(1, 8, 1024, pipe=True)  # double-buffered 8 x 1024: 90-92 registers
+def _fma1(split: int = 1, bn: int = 16, bk: int = 1024, nw: int = 4) -> GemvConfig:
+    return GemvConfig("fma", bn, bk, nw, 1, split_k=split)
 
 
 # Named one-row configurations per decode projection (None: gemv_config's heuristic), to compare on a GPU in a
@@ -405,26 +392,12 @@ GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
     "splitk1": {"qkv": _fma1(4), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(12)},
     # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation)
     "bn8": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
-    # the default tiles, tiles 2-4 of each program prefetched into L2 before the grid dependency wait
-    "pf3": {p: _fma1(pf=3) for p in ("qkv", "o_proj", "gate_up", "down")},
-    # register double buffering (the second tile's loads issued before the RMSNorm / x reads after the wait)
-    "pipe": {p: _PIPE for p in ("qkv", "o_proj", "gate_up", "down")},
-    "pipe_pf": {p: _fma1(1, 16, 512, pipe=True, pf=3) for p in ("qkv", "o_proj", "gate_up", "down")},
-    # twice the programs on the small projections (o_proj / down: 512)
-    "pipe_bn8": {"qkv": _PIPE, "o_proj": _PIPE8, "gate_up": _PIPE, "down": _PIPE8},
-    # as "default" / "pipe", each GEMV prefetching the next one's weights at its end (GEMV_SET_PREFETCH)
-    "next": {"qkv": None, "o_proj": None, "gate_up": None, "down": None},
-    "pipe_next": {p: _PIPE for p in ("qkv", "o_proj", "gate_up", "down")},
 }
-# Bytes of the next projection's weights that each GEMV of a set prefetches into L2 after its last weight loads
-# (``gemv(..., l2_prefetch=(next_w, nbytes))``); a chain option that benchmarks/pdl_probe.py applies (the model
-# does not pass next weights yet). Sets not named here: none.
-GEMV_SET_PREFETCH: dict[str, int] = {"next": 8 << 20, "pipe_next": 8 << 20}
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """The tuned entry for the shape if there is one, else a heuristic (compiled for sm_90, not yet timed on a
-    GPU): one row "fma" 16 x 1024, 4 warps (128 registers: 4 programs per SM, 32 KB of weight loads in
+    GPU): one row "fma" 16 x 1024, 4 warps (about 80 registers: 6 programs per SM, 32 KB of weight loads in
     flight each; the input is re-read per program at 2 / 16 of the weight bytes, mostly from L1/L2); more rows
     "dot" 16 x 256, 4 stages (49 KB of shared memory)."""
     mp = _p2(M)
@@ -542,113 +515,60 @@ def _gemv_krange(K, KS, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptrs, mask):
-    """``prefetch.global.L2::evict_normal`` of the 128-byte line at each pointer where ``mask``: no data comes
-    back to the SM (no registers held, nothing to wait for). The demand weight loads are L2 evict_first, so the
-    prefetched lines outlive the stream around them. Inline PTX: never traced by the interpreter."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_normal [$1]; "
-                              "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_prefetch_own(w_ptr, rn, k_lo, k_hi, N, s_wn, BK: tl.constexpr, PF: tl.constexpr, PFL: tl.constexpr,
-                       LE: tl.constexpr):
-    """L2 prefetch of this program's weight tiles 2 .. PF + 1 (``PFL``: a power of two >= the lines per row;
-    ``LE``: elements per 128-byte line)."""
-    col = k_lo + BK + tl.arange(0, PFL) * LE
-    m = (rn < N)[:, None] & (col < tl.minimum(k_hi, k_lo + BK * (PF + 1)))[None, :]
-    _l2_prefetch(w_ptr + rn.to(tl.int64)[:, None] * s_wn + col[None, :], m)
-
-
-@triton.jit
-def _gemv_prefetch_next(nxt_ptr, nxt_n, nxt_per, NXL: tl.constexpr):
-    """L2 prefetch of this program's share (``nxt_per`` lines) of the first ``nxt_n`` bytes at ``nxt_ptr``."""
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    j = tl.arange(0, NXL)
-    off = (pid * nxt_per + j).to(tl.int64) * 128
-    _l2_prefetch(nxt_ptr + off, (j < nxt_per) & (off < nxt_n))
-
-
-@triton.jit
-def _gemv_row_tile(w, x_ptr, nw_ptr, rm, kk, inv, M, K, s_xm, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
-                   V: tl.constexpr):
-    """One row: the ``[BN, BK / V]`` float32 partial sums of a weight tile times the input row, each thread's V
-    contiguous products (one 16-byte load) summed in registers (a V-times smaller accumulator)."""
-    xv = _gemv_x(x_ptr, nw_ptr, rm, kk, inv, M, K, s_xm, PRO)
-    return tl.sum(tl.reshape(w.to(tl.float32) * xv.to(tl.float32), [BN, BK // V, V]), 2)
-
-
-@triton.jit
-def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, nxt_ptr, M, N, K, KS, s_xm, s_wn,
-                     s_rm, s_ym, nxt_n, nxt_per, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-                     V: tl.constexpr, SPLIT: tl.constexpr, PIPE: tl.constexpr, PF: tl.constexpr, PFL: tl.constexpr,
-                     LE: tl.constexpr, NXL: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, s_xm, s_wn, s_rm,
+                     s_ym, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, V: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
     k_lo, k_hi = _gemv_krange(K, KS, SPLIT)
-    if MP == 1:
+    if MP == 1 and PDL:
         # Programmatic dependent: let the next kernel launch now, load the first weight tile (which no kernel
-        # writes; PF > 0: prefetch the next PF tiles into L2) while the previous kernel drains, and only then
-        # wait for it and read x / the residual.
-        if PDL:
-            _gdc_launch()
+        # writes) while the previous kernel drains, and only then wait for it and read x / the residual.
+        _gdc_launch()
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = tl.arange(0, MP)
         rk = tl.arange(0, BK)
         w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
         w = _gemv_w(w_ptrs + k_lo, rn, k_lo + rk, N, K, EVEN)
-        if PF > 0:
-            _gemv_prefetch_own(w_ptr, rn, k_lo, k_hi, N, s_wn, BK, PF, PFL, LE)
-        if PDL:
-            _gdc_wait()
-        if PIPE:  # register double buffering: tile k + 1's loads are in flight during tile k's FMAs
-            # the second tile (the first again if there is one) is loaded before the prologue's reads of x
-            k1 = tl.where(k_lo + BK < k_hi, k_lo + BK, k_lo)
-            w_next = _gemv_w(w_ptrs + k1, rn, k1 + rk, N, K, EVEN)
+        _gdc_wait()
         if PRO == 1:
             inv = _gemv_inv_rms(x_ptr, rm, M, K, s_xm, eps, MP, BK)
         else:
             inv = tl.zeros([MP], tl.float32)
-        if PIPE:
-            acc2 = _gemv_row_tile(w, x_ptr, nw_ptr, rm, k_lo + rk, inv, M, K, s_xm, BN, BK, PRO, V)
-            w = w_next
-            for k0 in range(k_lo + 2 * BK, k_hi, BK):
-                w_next = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
-                acc2 += _gemv_row_tile(w, x_ptr, nw_ptr, rm, k0 - BK + rk, inv, M, K, s_xm, BN, BK, PRO, V)
-                w = w_next
-            if NXL > 0:
-                _gemv_prefetch_next(nxt_ptr, nxt_n, nxt_per, NXL)
-            if k1 > k_lo:  # the last tile (the second, or the one the loop loaded last)
-                k_last = k_lo + ((k_hi - k_lo - 1) // BK) * BK
-                acc2 += _gemv_row_tile(w, x_ptr, nw_ptr, rm, k_last + rk, inv, M, K, s_xm, BN, BK, PRO, V)
-        else:
-            acc2 = _gemv_row_tile(w, x_ptr, nw_ptr, rm, k_lo + rk, inv, M, K, s_xm, BN, BK, PRO, V)
-            for k0 in range(k_lo + BK, k_hi, BK):
-                w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
-                acc2 += _gemv_row_tile(w, x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, BN, BK, PRO, V)
-            if NXL > 0:
-                _gemv_prefetch_next(nxt_ptr, nxt_n, nxt_per, NXL)
-        y = tl.sum(acc2, 1)[None, :]
-    else:  # more rows broadcast through a 3-D accumulator
-        _pdl_enter(PDL)
-        rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
-        acc = tl.zeros([MP, BN, BK], tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
+        xv = _gemv_x(x_ptr, nw_ptr, rm, k_lo + rk, inv, M, K, s_xm, PRO)
+        acc2 = tl.sum(tl.reshape(w.to(tl.float32) * xv.to(tl.float32), [BN, BK // V, V]), 2)
+        for k0 in range(k_lo + BK, k_hi, BK):
             w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
             xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
-            acc += xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if NXL > 0:
-            _gemv_prefetch_next(nxt_ptr, nxt_n, nxt_per, NXL)
-        y = tl.sum(acc, 2)
+            acc2 += tl.sum(tl.reshape(w.to(tl.float32) * xv.to(tl.float32), [BN, BK // V, V]), 2)
+        y = tl.sum(acc2, 1)[None, :]
+    else:
+        _pdl_enter(PDL)
+        rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
+        if MP == 1:  # 2-D: the input row shares the weight tile's layout (no 3-D broadcast, no conversion)
+            acc2 = tl.zeros([BN, BK // V], tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
+                xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
+                # each thread's V contiguous products (one 16-byte load) summed in registers: a V-times smaller
+                # accumulator, so wide tiles keep occupancy
+                acc2 += tl.sum(tl.reshape(w.to(tl.float32) * xv.to(tl.float32), [BN, BK // V, V]), 2)
+            y = tl.sum(acc2, 1)[None, :]
+        else:
+            acc = tl.zeros([MP, BN, BK], tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
+                xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
+                acc += xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            y = tl.sum(acc, 2)
     _gemv_epilogue(y, rm, rn, x_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_rm, s_ym, HAS_BIAS, HAS_RES,
                    SPLIT)
 
 
 @triton.jit
-def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, nxt_ptr, M, N, K, KS, s_xm, s_wn,
-                     s_rm, s_ym, nxt_n, nxt_per, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-                     PREC: tl.constexpr, SPLIT: tl.constexpr, NXL: tl.constexpr, PDL: tl.constexpr):
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, KS, s_xm, s_wn, s_rm,
+                     s_ym, eps, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+                     SPLIT: tl.constexpr, PDL: tl.constexpr):
     k_lo, k_hi = _gemv_krange(K, KS, SPLIT)
     _pdl_enter(PDL)  # the pipelined loop starts with its loads: wait before it
     rn, rm, rk, inv, w_ptrs = _gemv_setup(x_ptr, w_ptr, M, K, s_xm, s_wn, eps, MP, BN, BK, PRO)
@@ -657,8 +577,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, cnt_ptr,
         w = _gemv_w(w_ptrs + k0, rn, k0 + rk, N, K, EVEN)
         xv = _gemv_x(x_ptr, nw_ptr, rm, k0 + rk, inv, M, K, s_xm, PRO)
         acc = tl.dot(w, tl.trans(xv.to(w.dtype)), acc, input_precision=PREC)  # W as the M side: [BN, MP]
-    if NXL > 0:
-        _gemv_prefetch_next(nxt_ptr, nxt_n, nxt_per, NXL)
     _gemv_epilogue(tl.trans(acc), rm, rn, x_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_rm, s_ym,
                    HAS_BIAS, HAS_RES, SPLIT)
 
@@ -680,15 +598,12 @@ def _split_buffers(dev: torch.device, split: int, M: int, N: int, blocks: int) -
 
 def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None, norm: Tensor | None = None,
          eps: float = 1e-6, act: str | None = None, config: GemvConfig | None = None,
-         out_dtype: torch.dtype | None = None, pdl: bool = False,
-         l2_prefetch: tuple[Tensor, int] | None = None) -> Tensor:
+         out_dtype: torch.dtype | None = None, pdl: bool = False) -> Tensor:
     """``y = linear(pro(x), w, b)`` (+ ``residual``) for ``M <= GEMV_MAX_M`` rows; semantics of
     :func:`oscarkv.engine.ops.gemv_torch` (``norm``: fused RMSNorm weights; ``act="silu"``: x is ``[gate | up]``;
     ``out_dtype``: the result, rounded to x's dtype as always, stored as this dtype, e.g. float32 logits).
     ``pdl``: launched as a programmatic dependent (one row, "fma": the first weight tile is loaded before the
-    grid dependency wait). ``l2_prefetch=(t, nbytes)``: after its last weight loads, the grid prefetches the
-    first ``nbytes`` of the contiguous tensor ``t`` (e.g. the next kernel's weights) into L2, each program its
-    share of the 128-byte lines; a hint without effect on the result (not issued under the interpreter)."""
+    grid dependency wait)."""
     M = x.shape[0]
     N, K = w.shape
     if act not in (None, "silu"):
@@ -716,41 +631,20 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
         split = triton.cdiv(K, ks)  # every slice non-empty
     dummy = y
     ws, cnt = _split_buffers(x.device, split, M, N, blocks) if split > 1 else (dummy, dummy)
-    nxt, nxt_n, nxt_per, nxl = _next_prefetch(l2_prefetch, blocks * split, cfg.num_warps, dummy)
     args = (x, w, b if b is not None else dummy, residual if residual is not None else dummy,
-            norm if norm is not None else dummy, y, ws, cnt, nxt, M, N, K, ks, x.stride(0), w.stride(0),
-            residual.stride(0) if residual is not None else 0, y.stride(0), nxt_n, nxt_per, eps)
+            norm if norm is not None else dummy, y, ws, cnt, M, N, K, ks, x.stride(0), w.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0), eps)
     meta = dict(MP=mp, BN=cfg.block_n, BK=cfg.block_k, PRO=1 if norm is not None else (2 if act else 0),
                 HAS_BIAS=b is not None, HAS_RES=residual is not None,
-                EVEN=N % cfg.block_n == 0 and K % cfg.block_k == 0, SPLIT=split, NXL=nxl, num_warps=cfg.num_warps,
+                EVEN=N % cfg.block_n == 0 and K % cfg.block_k == 0, SPLIT=split, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, pdl=pdl and pdl_available(x))
     grid = (blocks, split)
     if cfg.kind == "fma":
-        le = 128 // x.element_size()  # elements per 128-byte line
-        pf = 0 if _interpreting() or mp > 1 else min(cfg.prefetch_tiles, triton.cdiv(ks, cfg.block_k) - 1)
-        _launch(_gemv_fma_kernel, grid, *args, V=min(cfg.block_k, 16 // x.element_size()),
-                PIPE=cfg.pipeline and mp == 1, PF=pf, PFL=_p2(triton.cdiv(pf * cfg.block_k, le)) if pf else 1,
-                LE=le, **meta)
+        _launch(_gemv_fma_kernel, grid, *args, V=min(cfg.block_k, 16 // x.element_size()), **meta)
     else:
         _launch(_gemv_dot_kernel, grid, *args, PREC="ieee" if x.dtype == torch.float32 else "tf32", **meta)
     return y
 
 
-def _next_prefetch(l2_prefetch: tuple[Tensor, int] | None, programs: int, num_warps: int, dummy: Tensor):
-    """``gemv``'s ``l2_prefetch`` as kernel arguments: a byte view of the tensor, the bytes, lines per program and
-    ``NXL`` (0: none; else a power of two >= the lines per program and >= the threads, so no lane repeats one)."""
-    if l2_prefetch is None:
-        return dummy, 0, 0, 0
-    t, nbytes = l2_prefetch
-    if not (isinstance(t, Tensor) and t.is_contiguous()) or nbytes < 0:
-        raise ValueError(f"gemv: l2_prefetch must be (contiguous tensor, bytes >= 0), got {type(t).__name__} and "
-                         f"{nbytes!r}")
-    nbytes = min(int(nbytes), t.numel() * t.element_size())
-    if nbytes == 0 or _interpreting():
-        return dummy, 0, 0, 0
-    per = triton.cdiv(triton.cdiv(nbytes, 128), programs)
-    return t.view(-1).view(torch.uint8), nbytes, per, max(_p2(per), 32 * num_warps)
-
-
 __all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "embed_rope", "gemv", "GemvConfig", "GEMV_CONFIGS",
-           "GEMV_SETS", "GEMV_SET_PREFETCH", "GEMV_MAX_M", "gemv_config", "pdl_available", "HAS_GDC"]
+           "GEMV_SETS", "GEMV_MAX_M", "gemv_config", "pdl_available", "HAS_GDC"]
