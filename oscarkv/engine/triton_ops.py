@@ -392,6 +392,13 @@ GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
     "splitk1": {"qkv": _fma1(4), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(12)},
     # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation)
     "bn8": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
+    # variations of bn8 on gate_up / down, narrower still, and the lm_head on the gemv_probe sweep's best tile
+    "bn8g": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": _fma1(1, 8), "down": _fma1(1, 16, 2048, 8)},
+    "bn8d": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8)},
+    "bn8d2": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8, 2048, 8)},
+    "bn4": {"qkv": _fma1(1, 4), "o_proj": _fma1(1, 4), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
+    "bn8lm": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8),
+              "lm_head": GemvConfig("dot", 64, 128, 4, 3)},
 }
 
 
