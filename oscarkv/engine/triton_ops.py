@@ -344,7 +344,8 @@ class GemvConfig:
     over all of K, or over one of ``split_k`` slices of K.
 
     ``kind`` "fma": CUDA-core FMAs; meant for one row: each thread sums its 16-byte vector of products in
-    registers, so the fp32 accumulator is ``[BN, BK / 8]`` (bf16) and a 16 x 1024 tile needs about 80 registers;
+    registers, so the fp32 accumulator is ``[BN, BK / 8]`` (bf16); a 16 x 1024 tile takes 125-128 registers
+    (Triton 3.6, sm_90 AOT build: 4 programs per SM);
     the input row shares the weight tile's layout, so the loop has no layout conversion. More rows broadcast
     through a 3-D ``[MP, BN, BK]`` accumulator, which Triton converts through shared memory: correct but slow.
     "dot": tensor cores with the weight tile as the M side (``W[BN, BK] @ x^T[BK, 16]``, rows padded to 16),
@@ -390,9 +391,11 @@ GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
     "splitk": {"qkv": _fma1(2), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(4)},
     # one 16 x 1024 tile per program on the small ones: with PDL all of a program's weights load before the wait
     "splitk1": {"qkv": _fma1(4), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(12)},
-    # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation)
+    # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation): gemv_config's choice
+    # for the 8B shapes since session 15 (and "bn8d2" for the 4B ones)
     "bn8": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
-    # variations of bn8 on gate_up / down, narrower still, and the lm_head on the gemv_probe sweep's best tile
+    # variations of bn8 (H200, session 15, 8B chains: bn8g and bn4 equal to bn8, bn8d / bn8d2 slower; bn8lm's
+    # lm_head on the dot tile 0.05-0.07 ms slower in the whole step)
     "bn8g": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": _fma1(1, 8), "down": _fma1(1, 16, 2048, 8)},
     "bn8d": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8)},
     "bn8d2": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8, 2048, 8)},
@@ -403,15 +406,21 @@ GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """The tuned entry for the shape if there is one, else a heuristic (compiled for sm_90, not yet timed on a
-    GPU): one row "fma" 16 x 1024, 4 warps (about 80 registers: 6 programs per SM, 32 KB of weight loads in
-    flight each; the input is re-read per program at 2 / 16 of the weight bytes, mostly from L1/L2); more rows
-    "dot" 16 x 256, 4 stages (49 KB of shared memory)."""
+    """The tuned entry for the shape if there is one, else a heuristic. One row, "fma": 8 x 1024 tiles, 4 warps,
+    for up to 8192 outputs (twice the programs of 16-row tiles on the small projections: 8B qkv / o_proj 768 /
+    512), 16 x 1024 above (gate_up, lm_head); rows of 8192 and more (down) 2048-wide tiles, 8 warps, 16 rows
+    from 4096 outputs, else 8. Measured on the H200 in the 36-layer PDL chains (``benchmarks/pdl_probe.py``,
+    docs/results/pdl_probe_s15_h200.log: the sets "bn8" for 8B, "bn8d2" for 4B): 8B gemv chain 3.735 ->
+    3.531 ms (1.26 -> 1.20x its weight floor), 4B 2.349 -> 2.176 ms, against 16 x 1024 everywhere (the 8B
+    down kept at 16 x 2048: 8 rows there measured slower, 3.616 ms). More rows: "dot" 16 x 256, 4 stages (49 KB
+    of shared memory)."""
     mp = _p2(M)
     if (mp, N, K) in GEMV_CONFIGS:
         return GEMV_CONFIGS[(mp, N, K)]
     if mp == 1:
-        return GemvConfig("fma", 16, 1024, 4, 1)
+        if K >= 8192:
+            return GemvConfig("fma", 16 if N >= 4096 else 8, 2048, 8, 1)
+        return GemvConfig("fma", 8 if N <= 8192 else 16, 1024, 4, 1)
     if dtype == torch.float32:  # fp32 "ieee" dots run on FMAs: 256-wide tiles x 4 stages spill (tests only)
         return GemvConfig("dot", 16, 64, 4, 2)
     return GemvConfig("dot", 16, 256, 4, 4)
