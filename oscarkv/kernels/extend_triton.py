@@ -29,8 +29,11 @@ two passes, the pages dequantized once per (page, KV head) into a transient floa
 ``cp.async`` or, with ``tma``, TMA descriptors, only the diagonal chunk tiles masked) with no unpacking in it:
 each dequantized tile is then shared by every query block of its KV head rather than by one program's rows.
 Static sm_90 SASS of the key loop (Triton 3.6 AOT, d 128, GQA 4, bfloat16 q; instructions per warp per 64 keys,
-no spills): fused, one page a step (64 rows / 4 warps) 606; ``pages_per_step=2`` 502 (64 / 4), 389 (128 / 8);
-workspace attention 361-365 (347 with ``tma``); the same loop over a bfloat16 prefix 338-375. Speed: the probe's
+no spills unless said): fused, one page a step (64 rows / 4 warps) 606, 472 at 128 / 8 with 2 stages;
+``pages_per_step=2`` 502 (64 / 4), at 128 / 8 389 with 3 stages, 384 with 2 (3 spill instructions in the
+loop; 383 and none with ``maxnreg=240``); workspace attention 361-365 (347 with ``tma``); the same loop over a
+bfloat16 prefix 338-375. (AOT builds must mark pointers and strides divisible by 16, as the launch does: without
+it the loads are scalar and the counts near double.) Speed: the probe's
 numbers (H200, session 14: one page a step 4.18 ms; ``pages_per_step=2`` at 64 rows / 4 warps 3.43 ms with 3
 stages, 3.26 ms with 2: the launcher default for token pages; 4 pages 3.57 ms at 128 rows / 8 warps, 6.37 at 64 /
 4; the workspace fold with TMA 2.30 ms; plain Triton over a bfloat16 prefix with TMA 2.12 ms; cuDNN 1.66 ms).
