@@ -9,7 +9,10 @@ attention shapes (32 query / 8 KV heads, d = 128, page 64), bfloat16 activations
   registers; ``fold="workspace"``: a dequantization pass into a float16 workspace, then flash attention on it);
 * ``dequant``: the workspace's first pass alone (``dequant_workspace``); ``ws-attn``: its second pass alone
   (``extend_attention_dense`` over the float16 workspace);
-* ``dense``: ``extend_attention_dense`` over a bfloat16 prefix of the same length (no quantization).
+* ``dense``: ``extend_attention_dense`` over a bfloat16 prefix of the same length (no quantization);
+* ``quant16``: as ``quant`` with float16 activations (queries, chunk, 16-bit tiers): the query enters the page
+  dots as loaded, with no bfloat16-to-float16 conversion held in registers (checked against the float64
+  reference of those inputs, budget 2e-3; no sharp check).
 
 Each is checked against a float64 reference (chunked over query rows; over the dequantized cache, or over the
 bfloat16 prefix for ``dense``): bfloat16 inputs with the benchmark's queries and with queries x16 (sharp softmax,
@@ -18,9 +21,10 @@ the running max keeps moving), budget 1e-2; float16 inputs for the default, budg
 ``bench_kernels.bench_extend``: slightly more work than ours); the default backend is what torch picks without
 an ``sdpa_kernel`` context, read from the CUDA kernel names of one profiled call. Issue target: within 1.5x of
 BF16 SDPA, the prefix dequantized tile by tile, never materialised. Keys in channel pages for the default.
-Rows trimmed to the candidates (``pages_per_step`` 2/4, lazy rescale, ``num_stages`` 2/4, TMA code tiles) and two
-references (the float16 workspace, which materialises the prefix, and plain Triton flash over a bfloat16
-prefix). ``--warm N`` (default 6) compiles every row first in N processes. Prints a table; ``--out`` writes
+Rows trimmed to the candidates (``pages_per_step`` 1/2/4 at 64 rows / 4 warps and 128 / 8, lazy rescale,
+``num_stages`` 2/3/4, a register cap, float16 activations) and two references (the float16 workspace, which
+materialises the prefix, and plain Triton flash over a bfloat16 prefix). ``--warm N`` (default 6) compiles the
+selected rows first in N processes. Prints a table; ``--out`` writes
 JSON (after every row) and a markdown table next to it.
 
     PYTHONPATH=. python benchmarks/extend_probe.py --out $OUT/extend_probe.json
@@ -65,6 +69,18 @@ VARIANTS = [
     ("dq-pps4-m64w4", "quant", dict(_M64, pages_per_step=4)),
     ("dq-pps4-m128w8", "quant", dict(_M128, pages_per_step=4)),
     ("dq-pps4-m128w8-lazy", "quant", dict(_M128, pages_per_step=4, rescale="lazy")),
+    # session 15: 2 pages a step at 128 rows / 8 warps (static sm_90 SASS of the page loop, triton 3.6, per warp
+    # per 64 keys: s2 384 with 3 spill instructions in the loop, 383 and none with maxnreg 240, s3 389 and
+    # none, lazy s2 394 and none, lazy s3 413 with 6; the default 502); one page a step there (s2 472)
+    ("dq-pps2-m128w8", "quant", dict(_M128, pages_per_step=2)),
+    ("dq-pps2-m128w8-s3", "quant", dict(_M128, pages_per_step=2, num_stages=3)),
+    ("dq-pps2-m128w8-r240", "quant", dict(_M128, pages_per_step=2, maxnreg=240)),
+    ("dq-pps2-m128w8-lazy", "quant", dict(_M128, pages_per_step=2, rescale="lazy")),
+    ("dq-pps2-m128w8-lazy-s3", "quant", dict(_M128, pages_per_step=2, rescale="lazy", num_stages=3)),
+    ("dq-pps1-m128w8-s2", "quant", dict(_M128, pages_per_step=1, num_stages=2)),
+    # float16 activations: static page loop 4 pages at 128 / 8 342 with 4 spill instructions (bfloat16: 377, 88)
+    ("dq-pps4-m128w8-f16in", "quant16", dict(_M128, pages_per_step=4)),
+    ("dq-pps2-m128w8-f16in", "quant16", dict(_M128, pages_per_step=2)),
     ("ws-m128n64w8s3-tma", "quant", dict(_WS, tma=True)),  # materialises a float16 prefix: reference only
     ("triton-bf16-m128n64w8s3-tma", "dense", dict(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True)),
 ]
@@ -207,6 +223,17 @@ def run_variant(name, kind, kw, inputs, refs, reps, dense=None, inputs16=None, r
             row["ok"] = True
             row["ms"] = timeit(fn, reps=reps)
             return row
+        if kind == "quant16":  # float16 activations: checked against their own reference, timed
+            out16 = torch.empty_like(inputs16[0])
+            fn = lambda: extend_attention_triton(*inputs16, out=out16, **kw)  # noqa: E731
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.time() - t0, 1)
+            row["err_fp16"] = rel_err(out16, ref16)
+            row["ok"] = row["err_fp16"] < BUDGET[torch.float16]
+            row["ms"] = timeit(fn, reps=reps)
+            return row
         if kind == "quant":
             call = lambda qq, o, a=inputs: extend_attention_triton(qq, *a[1:], out=o, **kw)  # noqa: E731
         elif kind == "ws-attn":
@@ -240,10 +267,14 @@ def run_variant(name, kind, kw, inputs, refs, reps, dense=None, inputs16=None, r
     return row
 
 
-def warm_part(prefix: int, chunk: int, part: int, nparts: int) -> None:
-    """Compile (one call each, unchecked, untimed) the rows ``part::nparts`` into Triton's disk cache: the same
-    shapes, dtypes and layouts as the main run, so that it finds every kernel compiled."""
-    mine = VARIANTS[part::nparts]
+def select(variants: str) -> list:
+    return VARIANTS if variants == "all" else [v for v in VARIANTS if v[0] in variants.split(",")]
+
+
+def warm_part(prefix: int, chunk: int, part: int, nparts: int, variants: str = "all") -> None:
+    """Compile (one call each, unchecked, untimed) the selected rows ``part::nparts`` into Triton's disk cache:
+    the same shapes, dtypes and layouts as the main run, so that it finds every kernel compiled."""
+    mine = select(variants)[part::nparts]
     for layout in ("token", "channel"):
         rows = [v for v in mine if layout == "token" or v[0] in CHANNEL]
         if not rows:
@@ -253,10 +284,10 @@ def warm_part(prefix: int, chunk: int, part: int, nparts: int) -> None:
         for name, kind, kw in rows:
             if kind == "quant":
                 extend_attention_triton(*inputs, **kw)
-                if name in FP16_CHECK:
-                    extend_attention_triton(*(x.half() if torch.is_tensor(x) and x.dtype == torch.bfloat16 else x
-                                              for x in inputs), **kw)
-            elif kind == "dense":
+            if kind == "quant16" or (kind == "quant" and name in FP16_CHECK):
+                extend_attention_triton(*(x.half() if torch.is_tensor(x) and x.dtype == torch.bfloat16 else x
+                                          for x in inputs), **kw)
+            if kind == "dense":
                 npad = -(-max(0, prefix - W16) // 128) * 128
                 kd = torch.zeros(1, HKV, npad, D, device="cuda", dtype=torch.bfloat16)
                 extend_attention_dense(q, kn, vn, kd, kd, qlen, k16, v16, len16, **kw)
@@ -267,6 +298,7 @@ def start_warm(args) -> list:
     import subprocess
 
     cmd = [sys.executable, os.path.abspath(__file__), "--prefix", str(args.prefix), "--chunk", str(args.chunk)]
+    cmd += ["--variants", args.variants]
     return [subprocess.Popen(cmd + ["--warm-part", f"{i}/{args.warm}"]) for i in range(args.warm)]
 
 
@@ -300,10 +332,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.warm_part:
         part, nparts = map(int, args.warm_part.split("/"))
-        warm_part(args.prefix, args.chunk, part, nparts)
+        warm_part(args.prefix, args.chunk, part, nparts, args.variants)
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
-    sel = VARIANTS if args.variants == "all" else [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    sel = select(args.variants)
     defaults = {k: p.default for k, p in inspect.signature(extend_attention_triton).parameters.items()
                 if p.kind == p.KEYWORD_ONLY and k != "out"}
     res = {"provenance": provenance(args.git_sha), "prefix": args.prefix, "chunk": args.chunk,
@@ -316,7 +348,7 @@ def main() -> int:
                 json.dump(res, f, indent=1, default=str)
 
     t_start = time.time()
-    warm = start_warm(args) if args.warm > 0 and args.variants == "all" else []
+    warm = start_warm(args) if args.warm > 0 else []
     sc = self_check()
     res["reference_self_check"] = sc
     print(f"chunked float64 reference vs extend_attention_ref: {sc:.1e}", flush=True)
@@ -349,7 +381,7 @@ def main() -> int:
         q = inputs[0]
         qs = (q.float() * SHARP).to(q.dtype)
         refs = (reference_f64(*inputs), reference_f64(qs, *inputs[1:]))
-        need16 = any(v[0] in FP16_CHECK for v in rows_sel)
+        need16 = any(v[0] in FP16_CHECK or v[1] == "quant16" for v in rows_sel)
         inputs16 = tuple(x.half() if torch.is_tensor(x) and x.dtype == torch.bfloat16 else x for x in inputs) \
             if need16 else None
         ref16 = reference_f64(*inputs16) if need16 else None
@@ -362,7 +394,7 @@ def main() -> int:
             dense_refs = (reference_f64(*inputs, prefix=dense), reference_f64(qs, *inputs[1:], prefix=dense))
         rows = res["rows"] if layout == "token" else res["channel_rows"]
         for name, kind, kw in rows_sel:
-            fp16 = name in FP16_CHECK and kind == "quant"
+            fp16 = (name in FP16_CHECK and kind == "quant") or kind == "quant16"
             r = run_variant(name, kind, kw, inputs, dense_refs if kind == "dense" else refs, args.reps,
                             dense=dense, inputs16=inputs16 if fp16 else None, ref16=ref16 if fp16 else None)
             r["layout"] = layout

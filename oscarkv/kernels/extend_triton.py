@@ -29,8 +29,11 @@ two passes, the pages dequantized once per (page, KV head) into a transient floa
 ``cp.async`` or, with ``tma``, TMA descriptors, only the diagonal chunk tiles masked) with no unpacking in it:
 each dequantized tile is then shared by every query block of its KV head rather than by one program's rows.
 Static sm_90 SASS of the key loop (Triton 3.6 AOT, d 128, GQA 4, bfloat16 q; instructions per warp per 64 keys,
-no spills): fused, one page a step (64 rows / 4 warps) 606; ``pages_per_step=2`` 502 (64 / 4), 389 (128 / 8);
-workspace attention 361-365 (347 with ``tma``); the same loop over a bfloat16 prefix 338-375. Speed: the probe's
+no spills unless said): fused, one page a step (64 rows / 4 warps) 606, 472 at 128 / 8 with 2 stages;
+``pages_per_step=2`` 502 (64 / 4), at 128 / 8 389 with 3 stages, 384 with 2 (3 spill instructions in the
+loop; 383 and none with ``maxnreg=240``); workspace attention 361-365 (347 with ``tma``); the same loop over a
+bfloat16 prefix 338-375. (AOT builds must mark pointers and strides divisible by 16, as the launch does: without
+it the loads are scalar and the counts near double.) Speed: the probe's
 numbers (H200, session 14: one page a step 4.18 ms; ``pages_per_step=2`` at 64 rows / 4 warps 3.43 ms with 3
 stages, 3.26 ms with 2: the launcher default for token pages; 4 pages 3.57 ms at 128 rows / 8 warps, 6.37 at 64 /
 4; the workspace fold with TMA 2.30 ms; plain Triton over a bfloat16 prefix with TMA 2.12 ms; cuDNN 1.66 ms).
@@ -63,13 +66,18 @@ LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max ex
 
 
 @triton.jit
-def _step_pages(bt_row, step, npages, PS: tl.constexpr, PPS: tl.constexpr):
-    """The page id of each of the ``PS PPS`` rows of step ``step`` (``PPS`` pages; page 0 past the last)."""
-    sel = tl.arange(0, PS * PPS) // PS
-    page = tl.zeros([PS * PPS], tl.int64)
-    for j in tl.static_range(PPS):
-        pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
-        page = tl.where(sel == j, pj, page)
+def _step_pages(bt_row, p, AHEAD: tl.constexpr, npages, PS: tl.constexpr, PPS: tl.constexpr):
+    """The page ids of step ``p + AHEAD`` (page 0 past the last): a scalar at one page a step, else that of each
+    of the ``PS PPS`` rows (``PPS`` pages). One return: returns of different types do not compile (sm_90)."""
+    if PPS == 1:
+        page = tl.load(bt_row + p + AHEAD, mask=p + AHEAD < npages, other=0).to(tl.int64)
+    else:
+        step = p + AHEAD
+        sel = tl.arange(0, PS * PPS) // PS
+        page = tl.zeros([PS * PPS], tl.int64)
+        for j in tl.static_range(PPS):
+            pj = tl.load(bt_row + step * PPS + j, mask=step * PPS + j < npages, other=0).to(tl.int64)
+            page = tl.where(sel == j, pj, page)
     return page
 
 
@@ -357,75 +365,50 @@ def _extend_kernel(
         a1 = tl.zeros([BLOCK_M, DQ], tl.float32)
         a2 = tl.zeros([BLOCK_M, DQ], tl.float32)
         a3 = tl.zeros([BLOCK_M, DQ], tl.float32)
-    # 1) the 2-bit pages, one page per step, full pages unmasked, the partial one last
+    # 1) the 2-bit pages, PPS a step (fold "dequant" with token pages; else one), full steps unmasked, the partial
+    # one last
+    NB: tl.constexpr = PS * PPS
     n = tl.arange(0, PS)
     ntok = tl.load(qlen_ptr + b)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     nfull = ntok // PS
     npages = tl.cdiv(ntok, PS)
-    # page ids are read one page ahead, so the code and metadata loads of a page depend on a value loaded an
+    nsteps = nfull if PPS == 1 else ntok // NB  # full steps
+    # page ids are read one step ahead, so the code and metadata loads of a step depend on a value loaded an
     # iteration earlier and the loop pipeliner can issue them early (not behind a block-table load)
-    page = tl.load(bt_row, mask=npages > 0, other=0).to(tl.int64)
-    if DEQ and PPS > 1:
-        # PPS pages per step, one [PS PPS, D] tile (token pages): the steps' page ids are read a step ahead
-        NB: tl.constexpr = PS * PPS
-        lv = 0.0
-        nsf = ntok // NB
-        page = _step_pages(bt_row, 0, npages, PS, PPS)
+    page = _step_pages(bt_row, 0, 0, npages, PS, PPS)
+    lv = 0.0
+    if DEQ:
+        # the row metadata too is read a step ahead (in registers: in flight during this step, a few values per
+        # thread); page 0 stands in past the last page (every pool holds one; an empty pool is never read)
         ksr = tl.zeros([NB], tl.float16)
         kor = ksr
         vsr = ksr
         vor = ksr
-        if npages > 0:  # (an empty pool is never read)
-            ksr, kor, vsr, vor = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS, True, PPS)
-        for p in range(0, nsf):
-            page_next = _step_pages(bt_row, p + 1, npages, PS, PPS)
-            ks_n, ko_n, vs_n, vo_n = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page_next, h, s_mp, s_mh, PS, True,
-                                                PPS)
+        if npages > 0:
+            ksr, kor, vsr, vor = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS, not KCH, PPS)
+        for p in range(0, nsteps):
+            page_next = _step_pages(bt_row, p, 1, npages, PS, PPS)
+            ks_n, ko_n, vs_n, vo_n = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page_next, h, s_mp, s_mh, PS,
+                                                not KCH, PPS)
             m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
                 p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
-                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
                 False, PPS)
             page = page_next
             ksr, kor, vsr, vor = ks_n, ko_n, vs_n, vo_n
-        if nsf * NB < ntok:
+        if nsteps * NB < ntok:
             m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
-                nsf, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
-                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, False, KCAT, VCAT, LAZY,
+                nsteps, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
+                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
                 True, PPS)
-    elif DEQ:
-        lv = 0.0
-        # (page 0 stands in past the last page: every pool holds one; an empty pool is never read)
-        ksr = tl.zeros([PS], tl.float16)
-        kor = ksr
-        vsr = ksr
-        vor = ksr
-        if npages > 0:
-            ksr, kor, vsr, vor = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page, h, s_mp, s_mh, PS, not KCH)
-        for p in range(0, nfull):
-            page_next = tl.load(bt_row + p + 1, mask=p + 1 < npages, other=0).to(tl.int64)
-            # the next page's row metadata, in registers: in flight during this page (a few values per thread)
-            ks_n, ko_n, vs_n, vo_n = _meta_rows(ks_ptr, ko_ptr, vs_ptr, vo_ptr, page_next, h, s_mp, s_mh, PS,
-                                                not KCH)
-            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
-                p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
-                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
-                False)
-            page = page_next
-            ksr, kor, vsr, vor = ks_n, ko_n, vs_n, vo_n
-        if nfull * PS < ntok:
-            m_i, l_i, a0, a1, a2, a3 = _page_step_dq(
-                nfull, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, s_cp, s_ch, s_kmp, s_kmh, h, ksr, kor, vsr, vor,
-                qk0, qk1, qk2, qk3, csc, tau, m_i, l_i, a0, a1, a2, a3, D, PS, ASM, F32DOT, KCH, KCAT, VCAT, LAZY,
-                True)
-    else:
-        lv = 0.0
+    else:  # fold "factor": one page a step
         if ntok > 0:
             page0 = tl.load(bt_row).to(tl.int64)
             vs0 = tl.load(vs_ptr + page0 * s_mp + h * s_mh + n, mask=n < ntok, other=0.0).to(tl.float32)
             lv = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.max(vs0, axis=0))), -6.0), 15.0)
         for p in range(0, nfull):
-            page_next = tl.load(bt_row + p + 1, mask=p + 1 < npages, other=0).to(tl.int64)
+            page_next = _step_pages(bt_row, p, 1, npages, PS, 1)
             m_i, l_i, osum, a0, a1, a2, a3 = _page_step(
                 p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp,
                 s_mh, h, qk0, qk1, qk2, qk3, qsc, csc, lv, tau, m_i, l_i, osum, a0, a1, a2, a3,

@@ -36,6 +36,12 @@ VARIANTS = [{"pages_per_step": 1}, {"pages_per_step": 2}, {"pages_per_step": 4},
             {"pages_per_step": 4, "block_m": 128, "num_warps": 8}, {"pages_per_step": 2, "rescale": "lazy"},
             {"pages_per_step": 4, "rescale": "lazy"}, {"num_stages": 2}, {"num_stages": 3},
             {"fold": "workspace"}, {"fold": "workspace", "tma": True}]
+if GPU:  # 2 and 1 pages a step at 128 rows / 8 warps (session 15 probe rows); on the CPU they would repeat the above
+    VARIANTS += [{"pages_per_step": 2, "block_m": 128, "num_warps": 8},
+                 {"pages_per_step": 2, "block_m": 128, "num_warps": 8, "num_stages": 3},
+                 {"pages_per_step": 2, "block_m": 128, "num_warps": 8, "maxnreg": 240},
+                 {"pages_per_step": 2, "block_m": 128, "num_warps": 8, "rescale": "lazy"},
+                 {"pages_per_step": 1, "block_m": 128, "num_warps": 8, "num_stages": 2}]
 _GEOMETRY = ("block_m", "num_warps")
 
 
