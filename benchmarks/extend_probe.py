@@ -72,6 +72,8 @@ VARIANTS = [
     # session 15: 2 pages a step at 128 rows / 8 warps (static sm_90 SASS of the page loop, triton 3.6, per warp
     # per 64 keys: s2 384 with 3 spill instructions in the loop, 383 and none with maxnreg 240, s3 389 and
     # none, lazy s2 394 and none, lazy s3 413 with 6; the default 502); one page a step there (s2 472)
+    # measured on the H200 (session 15, extend_probe_s15_h200.md, ms): s2 3.599, s3 3.490, r240 3.438, lazy 3.612,
+    # lazy s3 3.656, one page s2 4.263, f16in 4 pages 3.347 / 2 pages 3.363, against the default's 3.285: none faster
     ("dq-pps2-m128w8", "quant", dict(_M128, pages_per_step=2)),
     ("dq-pps2-m128w8-s3", "quant", dict(_M128, pages_per_step=2, num_stages=3)),
     ("dq-pps2-m128w8-r240", "quant", dict(_M128, pages_per_step=2, maxnreg=240)),
