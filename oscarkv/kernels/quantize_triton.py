@@ -738,6 +738,8 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
             opt["bpp"] = 1
         if not named & set(_CODE_FORMS):
             opt["codes"] = _CODE_FORMS["code_thr64"]
+        if "win" not in named:  # proposed on static sm_90 figures (module docstring); "win=0" is session 14's
+            opt["win"] = 1
     for v in variant:
         name, _, val = v.partition("=")
         if not val and name in _CODE_FORMS:
@@ -948,8 +950,8 @@ def quantize_write_triton(
     "prefetch=" (0/1: load the next block before this one's math); "fast16" (the 16-bit-row kernel
     ``_quant16_kernel`` where :func:`fast16_ok` allows, the row kernel otherwise) with "split=" (1/2: a row over
     d/32 or d/64 threads), "hred=" (0/1: packed per-thread min/max reduction), "win=" (0: int32 clip keys, 1:
-    windowed 16-bit keys for bfloat16 rows, 2: also float16; top-down clips only) and "regs=" (a register cap
-    per thread, 0 = none).
+    windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only) and "regs=" (a
+    register cap per thread, 0 = none).
     Rotations of token-page rows are applied in torch float32 (``(x - mean) @ R``) before the row kernel; keys
     in channel pages get theirs fused (``tf32x3`` dot) into the channel-page kernel.
 

@@ -89,7 +89,8 @@ def test_fast16_serves_only_supported_launches():
     assert not fast16_ok(_parse_variant(("rows",), 2), kp, kp, x, x, st, st, None, None, None)  # not asked for
     default = _parse_variant((), 2)  # the default asks for fast16 (split 2, one block a program, code_thr64)
     assert fast16_ok(default, kp, kp, x, x, st, st, None, None, None)
-    assert (default["split"], default["bpp"], default["codes"]) == (2, 1, 4)
+    assert (default["split"], default["bpp"], default["codes"], default["win"]) == (2, 1, 4, 1)
+    assert _parse_variant(("win=0",), 2)["win"] == 0 and _parse_variant(("fast16",), 2)["win"] == 0
     assert _parse_variant((), 4)["kernel"] == "rows"  # 4-bit pools: the row kernel
     assert not fast16_ok(opt, kp, kp, x.float(), x, st, st, None, None, None)  # float32 rows
     assert not fast16_ok(opt, kp, kp, x, x, st, st, torch.zeros(2, 128), None, None)  # a mean
