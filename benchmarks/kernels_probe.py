@@ -95,9 +95,24 @@ VARIANTS_FAST = [
     ("f16 split=2 code_thr64, prefetch=1, bpp=8", CLIP, FAST2 + ("prefetch=1", "bpp=8")),
     ("f16 split=2 code_thr64, warps=2", CLIP, FAST2 + ("warps=2",)),
     ("f16 code_thr64, warps=8", CLIP, FAST + ("warps=8",)),
+] + [  # the windowed clip (16-bit keys, two per word) against the session-14 default (win=0); --only win
+    ("win=0 (session-14 default), clip", CLIP, ("win=0",)),
+    ("win=0, no clip", NOCLIP, ("win=0",)),
+    ("win=1, clip", CLIP, ("win=1",)),
+    ("win=1, warps=1", CLIP, ("win=1", "warps=1")),
+    ("win=1, warps=2", CLIP, ("win=1", "warps=2")),
+    ("win=1, warps=8", CLIP, ("win=1", "warps=8")),
+    ("win=1, split=1", CLIP, ("win=1", "split=1")),
+    ("win=1, regs=80", CLIP, ("win=1", "regs=80")),
+    ("win=1, regs=128", CLIP, ("win=1", "regs=128")),
+    ("win=1, hred=1", CLIP, ("win=1", "hred=1")),
+    ("win=1, bpp=2", CLIP, ("win=1", "bpp=2")),
+    ("win=1, fp16 rows (int32 keys)", CLIP, ("win=1", "fp16")),
+    ("win=2, fp16 rows (windows)", CLIP, ("win=2", "fp16")),
 ]
 DEMOTE_VARIANTS = [("demote (gather), clip, default", ()), ("demote (gather), clip, f16 code_thr64", FAST),
-                   ("demote (gather), clip, f16 split=2 code_thr64", FAST2)]
+                   ("demote (gather), clip, f16 split=2 code_thr64", FAST2),
+                   ("demote (gather), clip, win=0", ("win=0",))]
 BASELINE_VARIANTS = [("clip (default)", CLIP, ()), ("no clip", NOCLIP, ()), ("clip, code_div", CLIP, ("code_div",)),
                      ("no clip, code_div", NOCLIP, ("code_div",))]
 
@@ -128,6 +143,14 @@ def _demote_inputs(k, v, n):
     return k16, v16, seq, src
 
 
+def _rows_for(variant, k, v):
+    """The probe's own pseudo-variant "fp16": the same rows in float16 (not comparable with the default's
+    pools); the rest goes to the launcher."""
+    if "fp16" in variant:
+        return tuple(x for x in variant if x != "fp16"), k.half(), v.half(), False
+    return variant, k, v, True
+
+
 def _warm_one(task) -> str:
     """Compile one variant (same shapes and strides as the timed run, few rows: one Triton specialization)."""
     name, clip, variant, demote = task
@@ -141,6 +164,7 @@ def _warm_one(task) -> str:
             k16, v16, seq, src = _demote_inputs(k, v, n)
             demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=clip[0], v_clip=clip[1], variant=variant)
         else:
+            variant, k, v, _ = _rows_for(variant, k, v)
             quantize_write_triton(kp, vp, k, v, slots, k_clip=clip[0], v_clip=clip[1], variant=variant)
         torch.cuda.synchronize()
         return f"warm {name}: ok"
@@ -222,9 +246,10 @@ def quantize_rows(n: int, only: str | None, baseline: str | None, which: str = "
         if only and only not in name:
             continue
         kp, vp = pools()
-        fn = lambda: quantize_write_triton(kp, vp, k, v, slots, k_clip=clip[0], v_clip=clip[1],  # noqa: E731
-                                           variant=variant)
-        record(name, fn, lambda: same((kp, vp), clip))  # noqa: B023
+        form, kx, vx, comparable = _rows_for(variant, k, v)
+        fn = lambda: quantize_write_triton(kp, vp, kx, vx, slots, k_clip=clip[0], v_clip=clip[1],  # noqa: E731
+                                           variant=form)
+        record(name, fn, (lambda: same((kp, vp), clip)) if comparable else None)  # noqa: B023
     if not only or "demote" in only:  # gather mode: the same rows from a [4, Hkv, n/4, d] 16-bit tier
         from oscarkv.kernels.quantize_triton import demote_triton
 

@@ -451,6 +451,96 @@ def _subumin(acc, a, b, INTERP: tl.constexpr):
     return r
 
 
+# Two 16-bit lanes per 32-bit word (the windowed clip keys of "fast16" with win): sm_90 executes an add and a
+# min on 16-bit lanes as one VIADDMNMX.U16x2, half the instructions per element of the int32 keys.
+@triton.jit
+def _pk_nkeys(w, nb2, top2, ne, C: tl.constexpr, TB: tl.constexpr, CLAMP: tl.constexpr,
+              INTERP: tl.constexpr):
+    """Complemented window keys ``~(v << TB | tag)`` of the two elements of words ``w``, one per 16-bit lane:
+    ``v = max(p + nb, 0)``, ``p`` the bits of ``|x|``, ``nb2`` holding ``nb`` (int16) in both lanes; CLAMP:
+    ``v = max(min(p, top) + nb, 0)``, ``top2`` holding ``top = VMAX - nb`` (``VMAX = 2^(16 - TB) - 1``), else
+    the caller guarantees ``p + nb <= VMAX``. ``ne + C``: the complemented tags (``v << TB`` and the tags
+    have disjoint bits, so one 32-bit multiply-add without borrow builds both lanes). The constant is added
+    inside the asm: as a separate add, LLVM hoists the 32 tag words of a thread out of the row-block loop
+    into registers."""
+    if INTERP:
+        nb = ((nb2 & 0xFFFF) ^ 0x8000) - 0x8000
+        plo = w & 0x7FFF
+        phi = (w >> 16) & 0x7FFF
+        if CLAMP:
+            top = ((top2 & 0xFFFF) ^ 0x8000) - 0x8000
+            plo = tl.minimum(plo, top)
+            phi = tl.minimum(phi, top)
+        vlo = tl.maximum(plo + nb, 0)
+        vhi = tl.maximum(phi + nb, 0)
+        r = (ne + C) - ((vhi << (16 + TB)) | (vlo << TB))
+    else:
+        if CLAMP:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 p, z, t; mov.b32 z, 0; and.b32 p, $1, 0x7FFF7FFF; min.s16x2 p, p, $3; "
+                f"add.s16x2 p, p, $2; max.s16x2 p, p, z; add.s32 t, $4, {C}; mad.lo.s32 $0, p, {-(1 << TB)}, t; }}",
+                "=r,r,r,r,r", [w, nb2, top2, ne], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 p, z, t; mov.b32 z, 0; and.b32 p, $1, 0x7FFF7FFF; add.s16x2 p, p, $2; "
+                f"max.s16x2 p, p, z; add.s32 t, $3, {C}; mad.lo.s32 $0, p, {-(1 << TB)}, t; }}", "=r,r,r,r",
+                [w, nb2, ne], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _pk_add(a, b, INTERP: tl.constexpr):
+    """Lane-wise ``a + b`` modulo 2^16."""
+    if INTERP:
+        r = (((a >> 16) + (b >> 16)) << 16) | ((a + b) & 0xFFFF)
+    else:
+        r = tl.inline_asm_elementwise("add.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                      pack=1)
+    return r
+
+
+@triton.jit
+def _pk_umin(a, b, INTERP: tl.constexpr):
+    """Lane-wise unsigned minimum."""
+    if INTERP:
+        r = (tl.minimum((a >> 16) & 0xFFFF, (b >> 16) & 0xFFFF) << 16) | tl.minimum(a & 0xFFFF, b & 0xFFFF)
+    else:
+        r = _umin16x2(a, b)
+    return r
+
+
+@triton.jit
+def _umin16x2(a, b):
+    return tl.inline_asm_elementwise("min.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _pk_addmin(acc, k, m2, INTERP: tl.constexpr):
+    """Lane-wise ``umin(acc, k + m2)``: an asm chain (one VIADDMNMX.U16x2 per word), kept linear like
+    :func:`_subumin`."""
+    if INTERP:
+        r = _pk_umin(acc, _pk_add(k, m2, True), True)
+    else:
+        r = tl.inline_asm_elementwise("{ .reg .b32 t; add.u16x2 t, $2, $3; min.u16x2 $0, $1, t; }", "=r,r,r,r",
+                                      [acc, k, m2], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _pk_rowmin2(a, INTERP: tl.constexpr):
+    """Per-row minimum over both lanes of every word of ``a`` ``[rows, words]``, in both lanes of an int32:
+    lane-wise across the thread's words and the row's threads, then against the swapped lanes."""
+    if INTERP:
+        y = tl.min(tl.minimum(a & 0xFFFF, (a >> 16) & 0xFFFF), axis=1)
+        r = y * 65537
+    else:
+        r = tl.reduce(a, 1, _umin16x2)
+        r = tl.inline_asm_elementwise("{ .reg .b32 t; prmt.b32 t, $1, 0, 0x1032; min.u16x2 $0, $1, t; }", "=r,r",
+                                      [r], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
 @triton.jit
 def _xthr(t, lo_s, BF16: tl.constexpr):
     """Smallest 16-bit float ``y`` with ``RN32(y - lo_s) >= t`` (the element test of the threshold code

@@ -377,7 +377,7 @@ def test_gpu_benchmark_shape_every_variant_bit_exact():
 def test_gpu_benchmark_shape_default_bit_exact():
     """As above for the row-kernel variants that ``kernels_probe.py`` times by default (the fast16 ones are
     in test_kernels_quantize_fast16.py)."""
-    _gpu_benchmark_shape([(), ("code_thr64",)])
+    _gpu_benchmark_shape([(), ("code_thr64",), ("win=0",)])
 
 
 def _gpu_benchmark_shape(variants):

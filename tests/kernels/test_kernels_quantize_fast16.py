@@ -12,6 +12,8 @@ import triton.language as tl
 from kernel_helpers import DEVICE, poisoned_pages
 
 from oscarkv.kernels import quantize_math as qm
+from oscarkv.kernels import quantize_triton as qt
+from oscarkv.kernels._triton_util import interpreting
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.quantize_triton import _parse_variant, demote_triton, fast16_ok, quantize_write_triton
 from oscarkv.kernels.reference import demote_ref, quantize_write_ref
@@ -87,7 +89,8 @@ def test_fast16_serves_only_supported_launches():
     assert not fast16_ok(_parse_variant(("rows",), 2), kp, kp, x, x, st, st, None, None, None)  # not asked for
     default = _parse_variant((), 2)  # the default asks for fast16 (split 2, one block a program, code_thr64)
     assert fast16_ok(default, kp, kp, x, x, st, st, None, None, None)
-    assert (default["split"], default["bpp"], default["codes"]) == (2, 1, 4)
+    assert (default["split"], default["bpp"], default["codes"], default["win"]) == (2, 1, 4, 1)
+    assert _parse_variant(("win=0",), 2)["win"] == 0 and _parse_variant(("fast16",), 2)["win"] == 0
     assert _parse_variant((), 4)["kernel"] == "rows"  # 4-bit pools: the row kernel
     assert not fast16_ok(opt, kp, kp, x.float(), x, st, st, None, None, None)  # float32 rows
     assert not fast16_ok(opt, kp, kp, x, x, st, st, torch.zeros(2, 128), None, None)  # a mean
@@ -111,11 +114,15 @@ def test_fast16_serves_only_supported_launches():
         _parse_variant(("fast16", "split=3"), 2)
     with pytest.raises(ValueError):
         _parse_variant(("fast16", "hred=2"), 2)
+    for bad in ("win=3", "regs=8", "regs=300"):
+        with pytest.raises(ValueError):
+            _parse_variant(("fast16", bad), 2)
 
 
 # -------------------------------------------------------------------------------- whole-kernel exactness
 FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2"), ("fast16", "split=2", "code_thr64"),
-         ("fast16", "code_thr"), ("fast16", "split=2", "hred=1", "code_thr64")]
+         ("fast16", "code_thr"), ("fast16", "split=2", "hred=1", "code_thr64"),
+         ("fast16", "split=2", "code_thr64", "win=1"), ("fast16", "win=2")]
 
 
 @pytest.mark.parametrize("form", FORMS, ids=["-".join(f[1:]) or "default" for f in FORMS])
@@ -133,16 +140,18 @@ def test_fast16_bit_exact_bf16(form):
                                           (64, torch.bfloat16, torch.bfloat16)])
 def test_fast16_dims_dtypes_meta(d, dtype, meta):
     """float16 and bfloat16 rows, head dims 32..256 (1 to 8 words per thread and quarter), every metadata
-    dtype, both splits where the row allows, the order statistic from above, from below and by bisection."""
+    dtype, both splits where the row allows, the order statistic from above (int32 keys or windows, also
+    with no step: 0.999), from below and by bisection."""
     x = _edge_rows(13, HKV, d, dtype, seed=2)
     v = _edge_rows(13, HKV, d, dtype, seed=3)
     splits = ("split=1", "split=2") if d >= 64 else ("split=1",)
     for sp in splits:
         for k_clip, v_clip in ((0.96, 0.92), (0.999, 0.02), (0.5, 0.3)):
-            _round_trip(x, v, k_clip, v_clip, ("fast16", "code_thr64", sp), meta=meta)
+            for win in ("win=0", "win=2"):
+                _round_trip(x, v, k_clip, v_clip, ("fast16", "code_thr64", sp, win), meta=meta)
 
 
-@pytest.mark.parametrize("form", [("clip_top",), ("clip_bottom",), ("clip_bisect",)])
+@pytest.mark.parametrize("form", [("clip_top",), ("clip_top", "win=2"), ("clip_bottom",), ("clip_bisect",)])
 def test_fast16_forced_order_statistics(form):
     """Each order-statistic method forced, at ratios where it is not the cheapest (bottom-up for 0.96 needs
     122 steps), on rows full of ties."""
@@ -170,13 +179,15 @@ def test_fast16_metadata_edge_rows():
         for k_clip, v_clip in ((0.9, 0.5), (0.0, 0.3)):
             _round_trip(x, x * 0.5, k_clip, v_clip, ("fast16", "code_thr64"), meta=meta)
             _round_trip(x, x * 0.5, k_clip, v_clip, ("fast16", "split=2"), meta=meta)
+            _round_trip(x, x * 0.5, k_clip, v_clip, ("fast16", "split=2", "code_thr64", "win=1"), meta=meta)
 
 
 def test_fast16_launch_knobs():
     """Rows per block, warps, row blocks per program, prefetch: 45 rows (partial blocks)."""
     x = _edge_rows(45, 2, 128, torch.bfloat16, seed=5)
     for knobs in (("block_r=16",), ("block_r=64", "warps=2"), ("bpp=1",), ("bpp=3", "prefetch=1"),
-                  ("split=2", "block_r=32", "warps=2", "prefetch=1")):
+                  ("split=2", "block_r=32", "warps=2", "prefetch=1"), ("win=1", "warps=1", "bpp=3"),
+                  ("win=1", "split=2", "prefetch=1", "regs=128")):
         _round_trip(x, -x, 0.96, 0.92, ("fast16", "code_thr64") + knobs)
 
 
@@ -189,7 +200,7 @@ def test_fast16_demote_and_channel_keys():
     v16 = torch.randn(B, HKV, c16, d).to(torch.bfloat16)
     seq = torch.randint(0, B, (n,), dtype=torch.int32)
     src = torch.randint(0, c16, (n,), dtype=torch.int32)
-    for form in (("fast16",), ("fast16", "split=2", "code_thr64")):
+    for form in (("fast16",), ("fast16", "split=2", "code_thr64"), ("fast16", "split=2", "code_thr64", "win=1")):
         kp, vp = poisoned_pages(fmt, 4, DEVICE), poisoned_pages(fmt, 4, DEVICE)
         kr, vr = _cpu_copy(kp), _cpu_copy(vp)
         slots = torch.randperm(64)[:n]
@@ -211,6 +222,84 @@ def test_fast16_demote_and_channel_keys():
     quantize_write_ref(vr, -x, slots, clip_ratio=0.92)
     _assert_same(kp, kr, "channel K")
     _assert_same(vp, vr, "V next to channel K")
+
+
+# ------------------------------------------------------------------------------ windowed clip (win=1/2)
+@triton.jit
+def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr, TB: tl.constexpr,
+               B: tl.constexpr, INTERP: tl.constexpr):
+    """tau of contiguous rows by :func:`_wtau_win`, and the window value its first window ends on (0: the
+    order statistic lies below it and a lower window resolved the row)."""
+    HW: tl.constexpr = DQ // 2
+    SW: tl.constexpr = HW // SPLIT
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    rows = tl.arange(0, B)
+    wc = tl.arange(0, SW)
+    p = x_ptr.to(tl.pointer_type(tl.int32)) + (rows * (2 * DQ))[:, None] + wc[None, :]
+    w0, w1, w2, w3 = tl.load(p), tl.load(p + HW), tl.load(p + 2 * HW), tl.load(p + 3 * HW)
+    if SPLIT == 2:
+        w4, w5, w6, w7 = tl.load(p + SW), tl.load(p + HW + SW), tl.load(p + 2 * HW + SW), tl.load(p + 3 * HW + SW)
+    else:
+        w4, w5, w6, w7 = w0, w1, w2, w3
+    lo = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, False, False, INTERP)
+    hi = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, False, INTERP)
+    tau = qt._wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, rows >= 0, DQ, SPLIT, BF16, TB, INTERP)
+    amax = tl.maximum(hi, -lo)
+    if BF16:
+        pmax = amax.to(tl.int32, bitcast=True) >> 16
+    else:
+        pmax = qm._f32_to16(amax, False)
+    nb = (1 << (16 - TB)) - 1 - pmax
+    v1 = qt._wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, False, INTERP)
+    tl.store(tau_ptr + rows, tau)
+    tl.store(v1_ptr + rows, v1)
+
+
+def _window_rows(d, dtype, r, g):
+    """Rows whose (r+1)-th largest |x| (a tie of two) lies ``o`` 16-bit steps below max |x| = 2.0, for ``o`` at
+    the edges of the first three windows (``VMAX - 1``, ``VMAX``, ``2 VMAX - 2``, ``2 VMAX - 1``), at 0 (``tau
+    = 0``: most of the row zeros) and at random offsets; random signs and positions, ties above."""
+    vmax = (1 << (16 - (d.bit_length() - 1))) - 1
+    top = 0x4000  # 2.0 in both float16 and bfloat16
+    offs = [vmax - 1, vmax, 2 * vmax - 2, 2 * vmax - 1, top, 0, 1]
+    offs += torch.randint(0, 3 * vmax, (9,), generator=g).tolist()
+    rows = []
+    for o in offs:
+        t = max(top - o, 0)
+        above = torch.randint(t + 1, top + 1, (r - 1,), generator=g) if t < top else torch.full((r - 1,), top)
+        below = torch.randint(0, t, (d - r - 2,), generator=g) if t > 0 else torch.zeros(d - r - 2, dtype=torch.long)
+        pat = torch.cat([torch.tensor([top]), above, torch.tensor([t, t]), below])
+        pat = pat[torch.randperm(d, generator=g)] | (torch.randint(0, 2, (d,), generator=g) << 15)
+        rows.append(pat.to(torch.int32).to(torch.int16).view(dtype))
+    return torch.stack(rows), offs, vmax
+
+
+@pytest.mark.parametrize("d,dtype,split", [(128, torch.bfloat16, 2), (64, torch.float16, 2), (256, torch.bfloat16, 2),
+                                           (32, torch.bfloat16, 1), (128, torch.float16, 1)])
+def test_window_clip_edges(d, dtype, split):
+    """The windowed order statistic equals the reference at every window edge (the first window resolves the
+    row exactly when tau lies less than VMAX steps below max |x|, else lower windows do), with ties at tau and
+    above, for a clip near the top (n = 0) and the default clips; Gaussian rows never leave the first window
+    in bfloat16 (the case the default path is fast for)."""
+    g = torch.Generator().manual_seed(d)
+    for r in (10, 5, 1):
+        x, offs, vmax = _window_rows(d, dtype, r, g)
+        b = x.shape[0]
+        tau, v1 = torch.empty(b, device=DEVICE), torch.empty(b, dtype=torch.int32, device=DEVICE)
+        _win_probe[(1,)](x.to(DEVICE), tau, v1, r, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=b,
+                         INTERP=interpreting())
+        want = torch.kthvalue(x.float().abs(), d - r, dim=1).values
+        assert torch.equal(tau.cpu(), want), (r, offs, tau.cpu(), want)
+        first = torch.tensor([o <= vmax - 1 for o in offs])
+        assert torch.equal(v1.cpu() > 0, first), (r, offs, v1.cpu())
+    if dtype == torch.bfloat16:
+        x = (torch.randn(64, d, generator=g) * torch.rand(64, 1, generator=g) * 10).to(dtype)
+        tau, v1 = torch.empty(64, device=DEVICE), torch.empty(64, dtype=torch.int32, device=DEVICE)
+        n = d - 1 - int(0.92 * d)
+        _win_probe[(1,)](x.to(DEVICE), tau, v1, n, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=64,
+                         INTERP=interpreting())
+        assert torch.equal(tau.cpu(), torch.kthvalue(x.float().abs(), d - n, dim=1).values)
+        assert bool((v1 > 0).all())
 
 
 # ------------------------------------------------------------------------------- per-row threshold helpers
@@ -314,7 +403,8 @@ def test_input_domain_thresholds_brute_force(dtype):
 # --------------------------------------------------------------------------------------------- GPU shape
 GPU_FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2", "code_thr64"),
              ("fast16", "code_thr64", "prefetch=1"), ("fast16", "split=2", "code_thr64", "prefetch=1"),
-             ("fast16", "split=2", "code_thr64", "hred=1")]
+             ("fast16", "split=2", "code_thr64", "hred=1"), (), ("win=0",), ("win=1",), ("win=2",),
+             ("win=1", "warps=1"), ("win=1", "warps=2"), ("win=1", "split=1"), ("win=1", "regs=80")]
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +429,7 @@ def bench_case():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("form", GPU_FORMS, ids=["-".join(f[1:]) or "fast16" for f in GPU_FORMS])
+@pytest.mark.parametrize("form", GPU_FORMS, ids=["-".join(f) or "default" for f in GPU_FORMS])
 def test_gpu_fast16_benchmark_shape_bit_exact(bench_case, form):
     """Every fast16 form the probe times (inline assembly on the GPU) against the CPU reference, on the
     benchmark's shape."""
@@ -356,7 +446,9 @@ def test_gpu_fast16_benchmark_shape_bit_exact(bench_case, form):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gpu_fast16_demote_bit_exact(bench_case):
+@pytest.mark.parametrize("form", [("fast16", "code_thr64"), (), ("win=0",)], ids=["fast16-code_thr64", "default",
+                                                                                 "win=0"])
+def test_gpu_fast16_demote_bit_exact(bench_case, form):
     """The same rows demoted from a [4, Hkv, n/4, d] 16-bit tier (gather mode) through fast16."""
     fmt, npages, k, v, slots, _, _ = bench_case
     n, hkv, d = k.shape
@@ -365,7 +457,7 @@ def test_gpu_fast16_demote_bit_exact(bench_case):
     src = torch.arange(n, device=DEVICE) % (n // 4)
     kp, vp = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
     kr2, vr2 = _cpu_copy(kp), _cpu_copy(vp)
-    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92, variant=("fast16", "code_thr64"))
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92, variant=form)
     demote_ref(kr2, vr2, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
     _assert_same(kp, kr2, "demote K")
     _assert_same(vp, vr2, "demote V")
