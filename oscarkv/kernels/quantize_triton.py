@@ -27,7 +27,11 @@ Rows whose order statistic lies below the window are resolved by lower windows (
 the tests' Gaussian bfloat16 rows never enter). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4 warps, not
 measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per thread and V
 row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers (5 vs 4 CTAs
-per SM), as the int32 keys are not compiled into a window kernel.
+per SM), as the int32 keys are not compiled into a window kernel. Measured on the H200 (session 15,
+``benchmarks/kernels_probe.py --only win --ref``, 32768 rows x 8 heads, K+V, bfloat16, clip 0.96 / 0.92, every
+row bit-identical): win=0 0.0757 ms (43% of 4.7 TB/s), win=1 0.0672 ms (49%), win=1 with one warp per program
+0.0617 ms (53%; 2 warps 0.0647, 8 warps 0.0834): the default for bfloat16 rows is win=1 with one warp where a
+side takes the window; float16 rows keep the int32 keys (0.0763 ms; their windows, win=2: 0.1144 ms).
 """
 
 from __future__ import annotations
@@ -738,8 +742,10 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
             opt["bpp"] = 1
         if not named & set(_CODE_FORMS):
             opt["codes"] = _CODE_FORMS["code_thr64"]
-        if "win" not in named:  # proposed on static sm_90 figures (module docstring); "win=0" is session 14's
+        if "win" not in named:  # H200, session 15 (kernels_probe.py --only win): 0.0672 ms vs win=0's 0.0757
             opt["win"] = 1
+        if "warps" not in named:  # ... and one warp per program where a side takes the window: 0.0617 ms
+            opt["warps_auto"] = 1
     for v in variant:
         name, _, val = v.partition("=")
         if not val and name in _CODE_FORMS:
@@ -857,14 +863,20 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
     grid = (max(1, triton.cdiv(nblk, opt["bpp"])), hkv, 1 if chan else 2)
     if fast16_ok(opt, k_pages, v_pages, None if chan else k, v, k_strides, v_strides, None if chan else k_mean,
                  v_mean, debug_rows):
+        k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
+        warps = opt["warps"]
+        if opt.get("warps_auto") and (k_win or v_win):  # one warp per program, its row block sized to match
+            warps = 1
+            if not any(x.startswith("block_r=") for x in variant):
+                block_r = min(256, max(16, 1024 * opt["split"] // d))
+                grid = (max(1, triton.cdiv(triton.cdiv(n, block_r), opt["bpp"])), hkv, grid[2])
         _quant16_kernel[grid](
             k, *k_strides[:3], kmode, kcount, kidx, k_pages.codes, k_pages.scale, k_pages.offset,
             v, *v_strides[:3], vmode, vcount, vidx, v_pages.codes, v_pages.scale, v_pages.offset,
             idx0, idx1, cs[0], cs[1], cs[2], ms[0], ms[1], ms[2], slots, n,
             DQ=dq, SPLIT=opt["split"], PAGE=fmt.page_size, BLOCK_R=block_r, GATHER=gather, META=meta,
             CODES=opt["codes"], PREFETCH=bool(opt["prefetch"]), SIDE0=1 if chan else 0, HRED=bool(opt["hred"]),
-            K_WIN=_win_side(opt, kmode, k), V_WIN=_win_side(opt, vmode, v), TB=d.bit_length() - 1,
-            INTERP=interpreting(), num_warps=opt["warps"],
+            K_WIN=k_win, V_WIN=v_win, TB=d.bit_length() - 1, INTERP=interpreting(), num_warps=warps,
             **({"maxnreg": opt["regs"]} if opt["regs"] and not interpreting() else {}),
         )
         return

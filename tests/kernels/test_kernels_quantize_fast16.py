@@ -90,6 +90,7 @@ def test_fast16_serves_only_supported_launches():
     default = _parse_variant((), 2)  # the default asks for fast16 (split 2, one block a program, code_thr64)
     assert fast16_ok(default, kp, kp, x, x, st, st, None, None, None)
     assert (default["split"], default["bpp"], default["codes"], default["win"]) == (2, 1, 4, 1)
+    assert default.get("warps_auto") and not _parse_variant(("warps=4",), 2).get("warps_auto")  # 1 warp: windows
     assert _parse_variant(("win=0",), 2)["win"] == 0 and _parse_variant(("fast16",), 2)["win"] == 0
     assert _parse_variant((), 4)["kernel"] == "rows"  # 4-bit pools: the row kernel
     assert not fast16_ok(opt, kp, kp, x.float(), x, st, st, None, None, None)  # float32 rows
@@ -120,12 +121,12 @@ def test_fast16_serves_only_supported_launches():
 
 
 # -------------------------------------------------------------------------------- whole-kernel exactness
-FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2"), ("fast16", "split=2", "code_thr64"),
+FORMS = [(), ("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2"), ("fast16", "split=2", "code_thr64"),
          ("fast16", "code_thr"), ("fast16", "split=2", "hred=1", "code_thr64"),
          ("fast16", "split=2", "code_thr64", "win=1"), ("fast16", "win=2")]
 
 
-@pytest.mark.parametrize("form", FORMS, ids=["-".join(f[1:]) or "default" for f in FORMS])
+@pytest.mark.parametrize("form", FORMS, ids=["-".join(f[1:]) or ("fast16" if f else "library-default") for f in FORMS])
 def test_fast16_bit_exact_bf16(form):
     """The default clips (top-down extraction), no clip, a clip that disables itself; ties, repeated values,
     constant rows, symmetric rows; odd row counts (partial row blocks)."""
@@ -401,7 +402,7 @@ def test_input_domain_thresholds_brute_force(dtype):
 
 
 # --------------------------------------------------------------------------------------------- GPU shape
-GPU_FORMS = [("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2", "code_thr64"),
+GPU_FORMS = [(), ("fast16",), ("fast16", "code_thr64"), ("fast16", "split=2", "code_thr64"),
              ("fast16", "code_thr64", "prefetch=1"), ("fast16", "split=2", "code_thr64", "prefetch=1"),
              ("fast16", "split=2", "code_thr64", "hred=1"), (), ("win=0",), ("win=1",), ("win=2",),
              ("win=1", "warps=1"), ("win=1", "warps=2"), ("win=1", "split=1"), ("win=1", "regs=80")]
