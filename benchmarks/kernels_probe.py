@@ -109,6 +109,17 @@ VARIANTS_FAST = [
     ("win=1, bpp=2", CLIP, ("win=1", "bpp=2")),
     ("win=1, fp16 rows (int32 keys)", CLIP, ("win=1", "fp16")),
     ("win=2, fp16 rows (windows)", CLIP, ("win=2", "fp16")),
+] + [  # session 15's default (win=1, one warp where a side takes the window) and knobs on top; --only w1x
+    ("w1x library default, clip", CLIP, ()),
+    ("w1x library default, no clip", NOCLIP, ()),
+    ("w1x bpp=2", CLIP, ("warps=1", "bpp=2")),
+    ("w1x bpp=4", CLIP, ("warps=1", "bpp=4")),
+    ("w1x hred=1", CLIP, ("warps=1", "hred=1")),
+    ("w1x regs=80", CLIP, ("warps=1", "regs=80")),
+    ("w1x regs=64", CLIP, ("warps=1", "regs=64")),
+    ("w1x split=1", CLIP, ("warps=1", "split=1")),
+    ("w1x prefetch=1", CLIP, ("warps=1", "prefetch=1")),
+    ("w1x prefetch=1, bpp=4", CLIP, ("warps=1", "prefetch=1", "bpp=4")),
 ]
 DEMOTE_VARIANTS = [("demote (gather), clip, default", ()), ("demote (gather), clip, f16 code_thr64", FAST),
                    ("demote (gather), clip, f16 split=2 code_thr64", FAST2),
