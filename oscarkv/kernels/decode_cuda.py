@@ -62,9 +62,11 @@ def supported(fmt: PageFormat, dtype16: torch.dtype | None = None, q_dtype: torc
 # code and metadata pages 16-byte aligned; dynamic shared memory, see `_smem_bytes`), "qk2" (two independent mma
 # chains for a chunk's QK product), "pdl" (the merge kernel is a programmatic dependent launch of the split
 # kernel), "pdlw" (the split kernel waits for the kernel before it as a programmatic dependent: set by
-# ``pdl=True``, which also sets "pdl"). A value is a define, set to 1 when the name is picked, or (define, value).
+# ``pdl=True``, which also sets "pdl"), "early" (with "l2pf": each warp's first two pages prefetched into L2 at
+# the kernel's start, before the Q setup and the "pdlw" wait). A value is a define, set to 1 when the name is
+# picked, or (define, value).
 VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2), "cpa3": ("CPA_", 3),
-            "qk2": "QK2_", "pdl": "PDL_", "pdlw": "PDLW_"}
+            "qk2": "QK2_", "pdl": "PDL_", "pdlw": "PDLW_", "early": "EARLY_"}
 # Defaults from the H200 sweeps (docs/results/kernels_h200.md, session 13): the cp.async pipeline wins from 2
 # sequences of 8 KV heads up (128K x 64: 1.446 vs 1.712 ms, 3.39 TB/s; 128K x 8: 0.224 vs 0.250), the register
 # prefetch + L2 prefetch for a single sequence's few (sequence, KV head) units (128K x 1: 0.0494 vs 0.0516 ms).

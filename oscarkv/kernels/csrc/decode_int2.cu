@@ -49,7 +49,13 @@
 //     in turn signals launch_dependents after its wait, so that a programmatic dependent after it (the engine's
 //     next kernel) can start its prologue during the merge.
 //   PDLW_ = 1: the split kernel is itself launched as a programmatic dependent of the kernel before it: it waits
-//     (griddepcontrol.wait) before its first global memory access, so its launch overlaps that kernel's tail.
+//     (griddepcontrol.wait) before its first global memory access, so its launch overlaps that kernel's tail
+//     (EARLY_: the hints below excepted).
+//   EARLY_ = 1 (with L2PF_): at its start, before the Q setup (and before the PDLW_ wait), each warp of a 2-bit
+//     split asks for its first two pages to be brought into L2 (the same per-lane prefetch.global.L2), reading
+//     the sequence length and block-table entries it needs through L2 (ld.global.cg: no stale L1 line for the
+//     loads after the wait). Only hints: a stale entry prefetches a wrong page, never changes a result. Without
+//     it a warp's first page is the only one whose chunk loads wait for DRAM (a batch-1 warp walks ~8 pages).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -101,6 +107,10 @@
 #ifndef PDL_
 #define PDL_ 0
 #endif
+#ifndef EARLY_
+#define EARLY_ 0
+#endif
+static_assert(!EARLY_ || L2PF_, "EARLY_ needs L2PF_ (its per-lane page prefetch)");
 static_assert(CPA_ == 0 || CPA_ == 2 || CPA_ == 3, "CPA_: 0 (register prefetch), 2 or 3 shared-memory stages");
 
 constexpr int D = D_, GQ = GQ_, PS = PS_, NW = NW_;
@@ -274,6 +284,33 @@ __device__ __forceinline__ void l2_prefetch_page(const Params& p, const Bases2& 
       asm volatile("prefetch.global.L2 [%0];" ::"l"(c + i * 16 * 128));
   const uint8_t* m = bs.pfm + (uint64_t)(uint32_t)page * (uint32_t)(p.s_mp * (int64_t)sizeof(meta_t));
   asm volatile("prefetch.global.L2 [%0];" ::"l"(m));
+#endif
+}
+
+// L2PF_: this lane's prefetch lines of KV head h (page 0; l2_prefetch_page adds the page)
+__device__ __forceinline__ void l2pf_bases(Bases2& bs, const Params& p, int h, int lane) {
+#if L2PF_
+  bs.pfc = reinterpret_cast<const uint8_t*>(lane < 16 ? p.kc : p.vc) + h * p.s_ch + (lane & 15) * 128;
+  const uint64_t mb = (lane & 3) == 0 ? p.ks : (lane & 3) == 1 ? p.ko : (lane & 3) == 2 ? p.vs : p.vo;
+  bs.pfm = reinterpret_cast<const uint8_t*>(mb) + h * p.s_mh * (int64_t)sizeof(meta_t) +
+           min(128 * (lane >> 2), PF_META - 1);
+#endif
+}
+
+// EARLY_: L2 prefetch of this warp's first two pages of 2-bit split `split` (hints; see the header)
+__device__ __forceinline__ void l2_prefetch_first_pages(const Params& p, int split, int b, int h, int warp,
+                                                        int lane) {
+#if EARLY_
+  const int n = __ldcg(reinterpret_cast<const int32_t*>(p.qlen) + b);
+  const int lo = split * (int)p.tok_per_split, hi = min(n, lo + (int)p.tok_per_split);
+  const int p_end = (hi + PS - 1) / PS;
+  const int pg = lo / PS + warp;
+  if (lo >= hi || pg >= p_end) return;
+  Bases2 bs;
+  l2pf_bases(bs, p, h, lane);
+  const int32_t* bt = reinterpret_cast<const int32_t*>(p.bt) + b * p.s_bt;
+  l2_prefetch_page(p, bs, __ldcg(bt + pg), lane);
+  if (pg + NW < p_end) l2_prefetch_page(p, bs, __ldcg(bt + pg + NW), lane);
 #endif
 }
 
@@ -704,15 +741,7 @@ __device__ void run_2bit(const Params& p, State& st, float (&osum)[2], float& vr
   bs.k = h * p.s_ch + 2 * gid * RB + tig * BPT;
   bs.v = h * p.s_ch + 4 * tig * RB + gid * BPV;
   bs.m = h * p.s_mh + 2 * gid;
-#if L2PF_
-  {
-    const int lane = 4 * gid + tig;
-    bs.pfc = reinterpret_cast<const uint8_t*>(lane < 16 ? p.kc : p.vc) + h * p.s_ch + (lane & 15) * 128;
-    const uint64_t mb = (lane & 3) == 0 ? p.ks : (lane & 3) == 1 ? p.ko : (lane & 3) == 2 ? p.vs : p.vo;
-    bs.pfm = reinterpret_cast<const uint8_t*>(mb) + h * p.s_mh * (int64_t)sizeof(meta_t) +
-             min(128 * (lane >> 2), PF_META - 1);
-  }
-#endif
+  l2pf_bases(bs, p, h, 4 * gid + tig);
 #if CPA_
   // this warp's pages pg + k NW, k < npg: page k in stage k % CPA_; pages k + 1 .. k + CPA_ - 1 in flight while
   // page k is computed (one commit group per page, empty groups past the last so that the counts stay uniform)
@@ -938,15 +967,18 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
   __shared__ float sm_o[NW][8][D];
 #define SM_O(w, hh, d) sm_o[w][hh][d]
 #endif
+  const int split = blockIdx.x + (PART_ == 2 ? (int)p.num_qsplits : 0), bh = blockIdx.y;
+  const int b = bh / (int)p.hkv, h = bh % (int)p.hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+#if EARLY_ && PART_ != 2
+  if (PART_ == 1 || split < p.num_qsplits) l2_prefetch_first_pages(p, split, b, h, warp, lane);
+#endif
 #if PDLW_  // launched as a programmatic dependent: the previous kernel's writes are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 #if PDL_  // the merge kernel may be scheduled now: it waits (griddepcontrol.wait) for this grid to complete
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  const int split = blockIdx.x + (PART_ == 2 ? (int)p.num_qsplits : 0), bh = blockIdx.y;
-  const int b = bh / (int)p.hkv, h = bh % (int)p.hkv;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   State st;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.f;
