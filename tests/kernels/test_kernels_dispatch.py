@@ -118,3 +118,6 @@ def test_cuda_decode_variant_resolution(monkeypatch):
     assert key(None) == key("subn") != key("subn+lazy+l2pf")
     with pytest.raises(ValueError, match="unknown CUDA decode variant"):
         key("fast")
+    assert key("subn+lazy+l2pf+early")["EARLY_"] == 1 and key("subn+lazy+l2pf")["EARLY_"] == 0
+    with pytest.raises(ValueError, match="'early' needs 'l2pf'"):
+        key("subn+early")
