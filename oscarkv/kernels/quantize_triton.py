@@ -24,7 +24,12 @@ twin with the same result that the CPU interpreter runs (quantize_math.py).
 of ``2^(16 - log2 d) - 1`` 16-bit steps below ``max |x|`` (4 binades of bfloat16 at d = 128, half a binade of
 float16), two per 32-bit word: a step is one VIADDMNMX.U16x2 per word instead of one VIADDMNMX.U32 per element.
 Rows whose order statistic lies below the window are resolved by lower windows (a block-uniform loop that
-the tests' Gaussian bfloat16 rows never enter). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4 warps, not
+the tests' Gaussian bfloat16 rows never enter). Each lower window is ``VMAX - 1`` steps further down, so a row
+whose ``n + 1`` largest ``|x|`` span far more than a window (e.g. fewer than ``n + 1`` nonzero values: the walk
+goes down to zero, ~33 windows for bfloat16 at d = 128) makes its row block cost up to that many times the
+extraction; dense K/V rows do not do this. Not done: starting each lower window at the row's largest ``|x|``
+below the last (a first version, a plain-Triton masked max per word, took the window kernel from 96 to 158
+registers in the sm_90 AOT build). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4 warps, not
 measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per thread and V
 row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers (5 vs 4 CTAs
 per SM), as the int32 keys are not compiled into a window kernel. Measured on the H200 (session 15,
