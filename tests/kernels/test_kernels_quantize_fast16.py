@@ -148,7 +148,9 @@ def test_fast16_dims_dtypes_meta(d, dtype, meta):
     splits = ("split=1", "split=2") if d >= 64 else ("split=1",)
     for sp in splits:
         for k_clip, v_clip in ((0.96, 0.92), (0.999, 0.02), (0.5, 0.3)):
-            for win in ("win=0", "win=2"):
+            # windows at the default-like ratios only: the window walk itself is test_window_clip_edges's, and
+            # at (0.5, 0.3) these edge rows make it slow in the interpreter (CI time)
+            for win in ("win=0", "win=2") if k_clip > 0.9 else ("win=0",):
                 _round_trip(x, v, k_clip, v_clip, ("fast16", "code_thr64", sp, win), meta=meta)
 
 
