@@ -827,9 +827,6 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
     if opt.get("auto16") and not fast16_ok(opt, k_pages, v_pages, None if fmt.channel else k, v, k_strides,
                                            v_strides, None if fmt.channel else k_mean, v_mean, debug_rows):
         opt = _parse_variant(tuple(variant) + ("rows",), fmt.bits)  # the row kernel, with its own defaults
-    if opt["kernel"] == "fast16" and not any(v.startswith("block_r=") for v in variant):
-        # one row spans d / (32 split) threads: fill the CTA without replication
-        opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
     chan = fmt.channel
     if k_rotation is not None and not chan:
         raise ValueError("the row kernel takes rotated rows: a K rotation is fused only into channel pages")
@@ -862,26 +859,27 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
             PS=fmt.page_size, GATHER=gather, HAS_MEAN=k_mean is not None, HAS_ROT=k_rotation is not None,
             META=meta, DEBUG=debug_rows is not None, CODE_DIV="code_div" in variant, num_warps=4,
         )
+    k_win = v_win = False
+    if opt["kernel"] == "fast16":
+        k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
+        if opt.get("warps_auto") and (k_win or v_win):  # the default: one warp per program where a side windows
+            opt["warps"] = 1
+        if not any(x.startswith("block_r=") for x in variant):
+            # one row spans d / (32 split) threads: fill the CTA without replication
+            opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
     dq = d // 4
     block_r = opt["block_r"]
     nblk = triton.cdiv(n, block_r)
     grid = (max(1, triton.cdiv(nblk, opt["bpp"])), hkv, 1 if chan else 2)
     if fast16_ok(opt, k_pages, v_pages, None if chan else k, v, k_strides, v_strides, None if chan else k_mean,
                  v_mean, debug_rows):
-        k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
-        warps = opt["warps"]
-        if opt.get("warps_auto") and (k_win or v_win):  # one warp per program, its row block sized to match
-            warps = 1
-            if not any(x.startswith("block_r=") for x in variant):
-                block_r = min(256, max(16, 1024 * opt["split"] // d))
-                grid = (max(1, triton.cdiv(triton.cdiv(n, block_r), opt["bpp"])), hkv, grid[2])
         _quant16_kernel[grid](
             k, *k_strides[:3], kmode, kcount, kidx, k_pages.codes, k_pages.scale, k_pages.offset,
             v, *v_strides[:3], vmode, vcount, vidx, v_pages.codes, v_pages.scale, v_pages.offset,
             idx0, idx1, cs[0], cs[1], cs[2], ms[0], ms[1], ms[2], slots, n,
             DQ=dq, SPLIT=opt["split"], PAGE=fmt.page_size, BLOCK_R=block_r, GATHER=gather, META=meta,
             CODES=opt["codes"], PREFETCH=bool(opt["prefetch"]), SIDE0=1 if chan else 0, HRED=bool(opt["hred"]),
-            K_WIN=k_win, V_WIN=v_win, TB=d.bit_length() - 1, INTERP=interpreting(), num_warps=warps,
+            K_WIN=k_win, V_WIN=v_win, TB=d.bit_length() - 1, INTERP=interpreting(), num_warps=opt["warps"],
             **({"maxnreg": opt["regs"]} if opt["regs"] and not interpreting() else {}),
         )
         return
