@@ -17,6 +17,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def brute_threshold(s: torch.Tensor, k) -> torch.Tensor:
+    """Bits (int32) of the smallest float a >= 0 with RN(RN(a/s) + 0.5) >= k, by a full bitwise search (float32
+    arithmetic): the reference of the kernels' per-row code thresholds."""
+    lo = torch.zeros_like(s, dtype=torch.int32)
+    hi = torch.full_like(s, 0x7F800000, dtype=torch.int32)
+    for _ in range(32):
+        mid = lo + ((hi - lo) >> 1)
+        ok = torch.floor(mid.view(torch.float32) / s + 0.5) >= k
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return hi
+
+
 def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
     """A pool filled with random bytes (metadata included, so NaN and Inf too), so that unwritten, misaddressed
     or insufficiently masked slots show up in comparisons."""

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, poisoned_pages
+from kernel_helpers import DEVICE, brute_threshold, poisoned_pages
 
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.quantize_triton import demote_triton, quantize_write_triton
@@ -221,17 +221,6 @@ def test_code_boundaries_are_the_rounding_thresholds():
     assert torch.equal(ref, got)
 
 
-def _brute_threshold(s, k):
-    """Smallest float a >= 0 with RN(RN(a/s) + 0.5) >= k, by a full bitwise search (float32 arithmetic)."""
-    lo = torch.zeros_like(s, dtype=torch.int32)
-    hi = torch.full_like(s, 0x7F800000, dtype=torch.int32)
-    for _ in range(32):
-        mid = lo + ((hi - lo) >> 1)
-        ok = torch.floor(mid.view(torch.float32) / s + 0.5) >= k
-        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
-    return hi
-
-
 def test_threshold8_window_exhaustive():
     """code_thr8's short search (kernel ``_threshold8``, mirrored here in torch) finds the exact threshold for
     every finite float16 and bfloat16 scale (2 probes), and for float32 samples (3 probes: random, binade
@@ -251,7 +240,7 @@ def test_threshold8_window_exhaustive():
                 mid = lo + ((hi - lo) >> 1)
                 ok = torch.floor(mid.view(torch.float32) / scales + 0.5) >= k
                 hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
-            exact = _brute_threshold(scales, k)
+            exact = brute_threshold(scales, k)
             assert torch.equal(hi, exact), k
             assert (exact - c).abs().max() <= 1, k
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_helpers import DEVICE, poisoned_pages
+from kernel_helpers import DEVICE, brute_threshold, poisoned_pages
 
 from oscarkv.kernels import quantize_math as qm
 from oscarkv.kernels import quantize_triton as qt
@@ -318,17 +318,6 @@ def _thr_probe(s_ptr, lo_ptr, o64_ptr, ob_ptr, n, BF16: tl.constexpr, K: tl.cons
     tl.store(ob_ptr + i, v, mask=m)
 
 
-def _brute_threshold(s, k):
-    """Smallest float a >= 0 with RN(RN(a/s) + 0.5) >= k, by a full bitwise search (float32 arithmetic)."""
-    lo = torch.zeros_like(s, dtype=torch.int32)
-    hi = torch.full_like(s, 0x7F800000, dtype=torch.int32)
-    for _ in range(32):
-        mid = lo + ((hi - lo) >> 1)
-        ok = torch.floor(mid.view(torch.float32) / s + 0.5) >= k
-        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
-    return hi.view(torch.float32)
-
-
 def _all16(dtype):
     """Every finite value of a 16-bit float type, ascending, as float32."""
     p = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float()
@@ -372,8 +361,7 @@ def test_threshold64_exhaustive():
     scales = torch.cat([f16, bf16, edges, rand])
     for k in (1, 2, 3):
         t, _ = _probe(scales, torch.zeros_like(scales), torch.bfloat16, k)
-        exact = _brute_threshold(scales, k)
-        assert torch.equal(t.view(torch.int32), exact.view(torch.int32)), k
+        assert torch.equal(t.view(torch.int32), brute_threshold(scales, k)), k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
