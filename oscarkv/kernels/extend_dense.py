@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._triton_util import check_device, interpreting, pool_strides
-from .extend_tiles import _cat4, _dequant4, _fa_update, _unpack4
+from .extend_tiles import _cat4, _dequant4, _fa_update, _query_rows, _unpack4
 from .layout import QuantPages
 
 
@@ -107,16 +107,9 @@ def _flash_extend_kernel(
     else:
         DTP: tl.constexpr = P16
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    r = tl.arange(0, BLOCK_M)
-    tq = pid_m * TOK_M + r // G
-    hq = h * G + r % G
-    rmask = (tq < T) & (r < TOK_M * G)
+    b, h, tq, hq, rmask, qrow = _query_rows(q_ptr, sq_b, sq_t, sq_h, T, HKV, G, BLOCK_M)
     dcol = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
-    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
     x = tl.load(qrow + dcol[None, :], mask=rmask[:, None], other=0.0)
     qp = x.to(DTP)
     csc = sm_scale * LOG2E

@@ -57,6 +57,23 @@ _DEQUANT_F16 = tl.constexpr(_dequant_asm())
 
 
 @triton.jit
+def _query_rows(q_ptr, sq_b, sq_t, sq_h, T, HKV, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's geometry (grid ``(query blocks, B * Hkv)``): sequence ``b``, KV head ``h``, and its
+    ``BLOCK_M`` rows, (token ``tq``, query head ``hq`` of ``h``'s GQA group) pairs, valid where ``rmask``, with
+    their row pointers ``qrow`` into ``q [B, T, Hq, d]``."""
+    TOK_M: tl.constexpr = BLOCK_M // G
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    r = tl.arange(0, BLOCK_M)
+    tq = tl.program_id(0) * TOK_M + r // G
+    hq = h * G + r % G
+    rmask = (tq < T) & (r < TOK_M * G)
+    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
+    return b, h, tq, hq, rmask, qrow
+
+
+@triton.jit
 def _unpack4(codes, CBF: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
     """The four 2-bit fields of uint8 ``codes`` as exact codes, field ``j`` = column block ``j`` of the rows.
     With ``ASM`` (CUDA): float16 (``CBF=0``) or bfloat16 (``CBF=1``) by magic-number unpacking; otherwise

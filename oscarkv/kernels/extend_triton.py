@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
 from .extend_dense import _flash, _pow2, dequant_workspace, extend_attention_dense
-from .extend_tiles import _cat4, _channel_logits, _dequant4, _online, _rescale, _unpack4
+from .extend_tiles import _cat4, _channel_logits, _dequant4, _online, _query_rows, _rescale, _unpack4
 from .layout import QuantPages
 
 UNPACKS = ("cat", "vcat", "fields")
@@ -302,15 +302,8 @@ def _extend_kernel(
         DT: tl.constexpr = tl.float16
         DT16: tl.constexpr = k16_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    r = tl.arange(0, BLOCK_M)
-    tq = pid_m * TOK_M + r // G
-    hq = h * G + r % G
-    rmask = (tq < T) & (r < TOK_M * G)
+    b, h, tq, hq, rmask, qrow = _query_rows(q_ptr, sq_b, sq_t, sq_h, T, HKV, G, BLOCK_M)
     c = tl.arange(0, DQ)
-    qrow = q_ptr + b.to(tl.int64) * sq_b + tq.to(tl.int64)[:, None] * sq_t + hq[:, None] * sq_h
     scale = sm_scale * LOG2E
     if KCAT:
         x0 = tl.load(qrow + tl.arange(0, D)[None, :], mask=rmask[:, None], other=0.0)
