@@ -83,6 +83,24 @@ def _dequant_ws_kernel(
 
 
 @triton.jit
+def _masked_tile(k_ptr, v_ptr, base, t, lim, s_t, dcol, qp, tq, m_i, l_i, acc, csc, DTP: tl.constexpr,
+                 P16: tl.constexpr, CAUSAL: tl.constexpr):
+    """One flash step over key/value rows ``t`` of a 16-bit tensor (row stride ``s_t`` from ``base``), rows at or
+    past ``lim`` masked (and, CAUSAL, keys after each query row's token ``tq``)."""
+    tm = t < lim
+    off = base + t.to(tl.int64)[:, None] * s_t + dcol[None, :]
+    k = tl.load(k_ptr + off, mask=tm[:, None], other=0.0)
+    v = tl.load(v_ptr + off, mask=tm[:, None], other=0.0)
+    s = tl.dot(qp, tl.trans(k.to(DTP)))
+    if CAUSAL:
+        keep = (t[None, :] <= tq[:, None]) & tm[None, :]
+    else:
+        keep = tm[None, :]
+    s = tl.where(keep, s, float("-inf"))
+    return _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
+
+
+@triton.jit
 def _flash_extend_kernel(
     q_ptr, sq_b, sq_t, sq_h, kn_ptr, vn_ptr, sn_b, sn_t, sn_h,
     kp_ptr, vp_ptr, kp_desc, vp_desc, sp_b, sp_h, sp_t, NP, lenp_ptr,
@@ -133,24 +151,14 @@ def _flash_extend_kernel(
         s = tl.dot(qp, tl.trans(k.to(DTP)))
         m_i, l_i, acc = _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
     if nfull * BLOCK_N < npre:
-        t = nfull * BLOCK_N + n
-        tm = t < npre
-        off = basep + t.to(tl.int64)[:, None] * sp_t + dcol[None, :]
-        k = tl.load(kp_ptr + off, mask=tm[:, None], other=0.0)
-        v = tl.load(vp_ptr + off, mask=tm[:, None], other=0.0)
-        s = tl.where(tm[None, :], tl.dot(qp, tl.trans(k.to(DTP))), float("-inf"))
-        m_i, l_i, acc = _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
+        m_i, l_i, acc = _masked_tile(kp_ptr, vp_ptr, basep, nfull * BLOCK_N + n, npre, sp_t, dcol, qp, tq, m_i, l_i,
+                                     acc, csc, DTP, P16, False)
     # 2) the 16-bit tiers (masked tiles)
     n16 = tl.load(len16_ptr + b)
     base16 = b.to(tl.int64) * s16b + h * s16h
     for t0 in tl.range(0, n16, BLOCK_N, num_stages=DENSE_STAGES):
-        t = t0 + n
-        tm = t < n16
-        off = base16 + t.to(tl.int64)[:, None] * s16t + dcol[None, :]
-        k = tl.load(k16_ptr + off, mask=tm[:, None], other=0.0)
-        v = tl.load(v16_ptr + off, mask=tm[:, None], other=0.0)
-        s = tl.where(tm[None, :], tl.dot(qp, tl.trans(k.to(DTP))), float("-inf"))
-        m_i, l_i, acc = _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
+        m_i, l_i, acc = _masked_tile(k16_ptr, v16_ptr, base16, t0 + n, n16, s16t, dcol, qp, tq, m_i, l_i, acc, csc,
+                                     DTP, P16, False)
     # 3) the chunk: tiles wholly before the block's first token unmasked, then the diagonal ones causally
     basen = b.to(tl.int64) * sn_b + h * sn_h
     lo = (pid_m * TOK_M) // BLOCK_N * BLOCK_N
@@ -162,14 +170,8 @@ def _flash_extend_kernel(
         m_i, l_i, acc = _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
     hi = tl.minimum(T, (pid_m + 1) * TOK_M)
     for t0 in tl.range(lo, hi, BLOCK_N, num_stages=DENSE_STAGES):
-        t = t0 + n
-        tm = t < T
-        off = basen + t.to(tl.int64)[:, None] * sn_t + dcol[None, :]
-        k = tl.load(kn_ptr + off, mask=tm[:, None], other=0.0)
-        v = tl.load(vn_ptr + off, mask=tm[:, None], other=0.0)
-        s = tl.dot(qp, tl.trans(k.to(DTP)))
-        s = tl.where((t[None, :] <= tq[:, None]) & tm[None, :], s, float("-inf"))
-        m_i, l_i, acc = _fa_update(s, v.to(DTP), m_i, l_i, acc, csc, P16)
+        m_i, l_i, acc = _masked_tile(kn_ptr, vn_ptr, basen, t0 + n, T, sn_t, dcol, qp, tq, m_i, l_i, acc, csc, DTP,
+                                     P16, True)
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     optr = out_ptr + b.to(tl.int64) * so_b + tq.to(tl.int64)[:, None] * so_t + hq[:, None] * so_h
     tl.store(optr + dcol[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=rmask[:, None])
