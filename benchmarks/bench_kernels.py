@@ -275,9 +275,20 @@ def bench_extend(prefix: int, chunk: int) -> dict:
     kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
     vn = torch.randn_like(kn)
     res = {"prefix": prefix, "chunk": chunk}
+    # the launcher default (fold="sdpa" where cuDNN attention runs: host lengths given, so that it is
+    # graph-capturable), and the fused kernel (fold="dequant", nothing materialised) at two tile geometries
+    hl = (qlen.tolist(), len16.tolist())
+    for name, kw in (("ours_default", {"host_lengths": hl}), ("ours_sdpa_seg8k", {"fold": "sdpa", "host_lengths": hl,
+                                                                               "segment_tokens": 8192})):
+        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)  # noqa
+        try:
+            res[f"{name}_ms"] = timeit(fn, reps=10)
+            res[f"{name}_eager_ms"] = timeit(fn, reps=10, graph=False)
+        except Exception as e:
+            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     for bm, bn, nw in ((64, 64, 4), (128, 64, 8)):
         fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, block_m=bm,  # noqa
-                                             block_n=bn, num_warps=nw)
+                                             block_n=bn, num_warps=nw, fold="dequant")
         try:
             res[f"ours_bm{bm}_nw{nw}_ms"] = timeit(fn, reps=10)
         except Exception as e:

@@ -61,7 +61,10 @@ _M128 = dict(block_m=128, num_warps=8)
 # stages). The fused fold's TMA rows were removed with the option (session 14: no compile at 2 pages a step).
 # All "quant" rows but the ws- one dequantize tile by tile in registers (the prefix never materialised).
 VARIANTS = [
-    ("default", "quant", {}),
+    ("default", "quant", {}),  # session 16: fold="sdpa" (cuDNN over a dequantized segment workspace)
+    ("sdpa-seg16k", "quant", dict(fold="sdpa", segment_tokens=16384)),
+    ("sdpa-seg8k", "quant", dict(fold="sdpa", segment_tokens=8192)),
+    ("fused-default", "quant", dict(fold="dequant")),  # the fused default until session 15 (2 pages a step)
     ("dq-pps1-m64w4", "quant", dict(_M64, pages_per_step=1)),  # the previous default (4.217 ms at 7e56ab3)
     ("dq-pps2-m64w4-lazy", "quant", dict(_M64, pages_per_step=2, rescale="lazy")),
     ("dq-pps2-m64w4-s3", "quant", dict(_M64, pages_per_step=2, num_stages=3)),  # the default has 2 stages
@@ -86,8 +89,8 @@ VARIANTS = [
     ("ws-m128n64w8s3-tma", "quant", dict(_WS, tma=True)),  # materialises a float16 prefix: reference only
     ("triton-bf16-m128n64w8s3-tma", "dense", dict(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True)),
 ]
-FP16_CHECK = ("default",)
-CHANNEL = ("default",)
+FP16_CHECK = ("default", "fused-default")
+CHANNEL = ("default", "fused-default")
 
 
 def reference_f64(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, sm_scale=None, block=256, prefix=None):
@@ -213,6 +216,8 @@ def run_variant(name, kind, kw, inputs, refs, reps, dense=None, inputs16=None, r
     """Check, then time, one row. ``refs``: (ref, ref_sharp) of the row's semantics; ``dense``: (k, v) bf16 prefix."""
     q, kn, vn, kp, vp, bt, qlen, k16, v16, len16 = inputs
     row = {"variant": name, "kind": kind, "kwargs": kw}
+    if kind in ("quant", "quant16"):  # host lengths: fold="sdpa" (the default) is then graph-capturable
+        kw = {**kw, "host_lengths": (qlen.tolist(), len16.tolist())}
     out = torch.empty_like(q)
     qs = (q.float() * SHARP).to(q.dtype)
     try:

@@ -191,6 +191,10 @@ class PrefillCtx(_Ctx):
             self.len16 = n0 - self.q0
             self.pages = torch.tensor(new_pages, dtype=torch.long, device=self.dev)
             self._extend = _kernel_op("extend_attention")
+            # the prefix lengths as host integers: the CUDA extend's cuDNN fold needs them, and reading them back
+            # from the device would stall every layer
+            self._host_lengths = ({"host_lengths": ([self.q0], [self.len16])}
+                                 if self.dev.type == "cuda" and self._extend is not ref.extend_attention_ref else {})
         else:
             pos = torch.arange(n0, n1, device=self.dev)
             pages = pool.block_table[slot, pos // cfg.page_size].long()
@@ -230,7 +234,7 @@ class PrefillCtx(_Ctx):
         else:
             out = self._extend(q[None], kv[0][None], kv[1][None], pool.pages[0][layer], pool.pages[1][layer],
                                meta["block_table"], meta["qlen"], buf[0][None], buf[1][None], meta["len16"],
-                               sm_scale=self.sm_scale)[0].to(q.dtype)
+                               sm_scale=self.sm_scale, **self._host_lengths)[0].to(q.dtype)
         self._write_tiers(layer, kv)
         return out
 

@@ -183,10 +183,12 @@ def rotate_rows(
 def extend_attention(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
-    out: Tensor | None = None, backend: str = "auto",
+    out: Tensor | None = None, backend: str = "auto", host_lengths: tuple | None = None,
 ) -> Tensor:
     """A chunk of ``T`` new tokens per sequence (``q [B, T, Hq, d]``, ``k_new/v_new [B, T, Hkv, d]``) attends
-    causally to itself and fully to the stored prefix. Returns ``[B, T, Hq, d]`` in q's dtype."""
+    causally to itself and fully to the stored prefix. Returns ``[B, T, Hq, d]`` in q's dtype.
+    ``host_lengths``: ``(qlen, len16)`` as host integers, if the caller has them (the CUDA path's cuDNN fold
+    otherwise reads them from the device)."""
     if _pick(backend, q.device, _kernels_supported(k_pages.fmt, v_pages.fmt)) == "reference":
         res = ref.extend_attention_ref(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
                                        sm_scale)
@@ -196,7 +198,7 @@ def extend_attention(
     from .extend_triton import extend_attention_triton
 
     return extend_attention_triton(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
-                                   sm_scale, out=out)
+                                   sm_scale, out=out, host_lengths=host_lengths)
 
 
 __all__ = ["BACKENDS", "DecodePlan", "use_reference", "quantize_write", "demote", "decode_attention",

@@ -32,13 +32,14 @@ from .layout import QuantPages
 @triton.jit
 def _dequant_ws_kernel(
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh, bt_ptr, s_bt, qlen_ptr,
-    kw_ptr, vw_ptr, sw_b, sw_h, sw_t, HKV,
+    kw_ptr, vw_ptr, sw_b, sw_h, sw_t, HKV, p0,
     D: tl.constexpr, PS: tl.constexpr, ASM: tl.constexpr, KCH: tl.constexpr,
 ):
     """``fold="workspace"``, pass 1: one (page slot, sequence, KV head) per program; the page's K and V as
-    float16 ``o + c s`` rows (the fused kernel's asm: the same values) into the workspace at rows
-    ``[p PS, (p+1) PS)``; rows past the sequence end (and slots past its last page) are written as zeros, so
-    that the attention pass may read whole tiles."""
+    float16 ``o + c s`` rows (the fused kernel's asm: the same values; stored in the workspace's dtype) into the
+    workspace at rows ``[p PS, (p+1) PS)``; rows past the sequence end (and slots past its last page) are written
+    as zeros, so that the attention pass may read whole tiles. ``p0``: the first page slot (``fold="sdpa"``
+    dequantizes a prefix segment by segment): program ``p`` takes slot ``p0 + p``."""
     DQ: tl.constexpr = D // 4
     p = tl.program_id(0)
     bh = tl.program_id(1)
@@ -47,11 +48,11 @@ def _dequant_ws_kernel(
     n = tl.arange(0, PS)
     c = tl.arange(0, DQ)
     dcol = tl.arange(0, D)
-    ntok = tl.load(qlen_ptr + b)
+    ntok = tl.load(qlen_ptr + b) - p0 * PS
     tm = p * PS + n < ntok
     woff = b.to(tl.int64) * sw_b + h * sw_h + (p * PS + n).to(tl.int64)[:, None] * sw_t + dcol[None, :]
     if p * PS < ntok:
-        page = tl.load(bt_ptr + b.to(tl.int64) * s_bt + p).to(tl.int64)
+        page = tl.load(bt_ptr + b.to(tl.int64) * s_bt + p0 + p).to(tl.int64)
         crow = page * s_cp + h * s_ch + n * DQ
         row = page * s_mp + h * s_mh + n
         kc = tl.load(kc_ptr + crow[:, None] + c[None, :])
@@ -74,10 +75,10 @@ def _dequant_ws_kernel(
             k0, k1, k2, k3 = _dequant4(kc, tl.broadcast_to(ks[:, None], (PS, DQ)),
                                        tl.broadcast_to(ko[:, None], (PS, DQ)), ASM, tl.float16)
             kh = _cat4(k0, k1, k2, k3, PS, D)
-        tl.store(kw_ptr + woff, kh)
-        tl.store(vw_ptr + woff, _cat4(v0, v1, v2, v3, PS, D))
+        tl.store(kw_ptr + woff, kh.to(kw_ptr.dtype.element_ty))
+        tl.store(vw_ptr + woff, _cat4(v0, v1, v2, v3, PS, D).to(vw_ptr.dtype.element_ty))
     else:
-        zero = tl.zeros([PS, D], tl.float16)
+        zero = tl.zeros([PS, D], kw_ptr.dtype.element_ty)
         tl.store(kw_ptr + woff, zero)
         tl.store(vw_ptr + woff, zero)
 
@@ -198,7 +199,7 @@ def dequant_workspace(k_pages: QuantPages, v_pages: QuantPages, block_table: Ten
     _dequant_ws_kernel[(npad // ps, B * hkv)](
         k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale, v_pages.offset,
         *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table,
-        block_table.stride(0), qlen, kw, vw, kw.stride(0), kw.stride(1), kw.stride(2), hkv,
+        block_table.stride(0), qlen, kw, vw, kw.stride(0), kw.stride(1), kw.stride(2), hkv, 0,
         D=d, PS=ps, ASM=not interp, KCH=fmt.channel, num_warps=4,
     )
     return kw, vw

@@ -55,13 +55,17 @@ import triton.language as tl
 
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
 from .extend_dense import _flash, _pow2, dequant_workspace, extend_attention_dense
+from .extend_sdpa import SEGMENT_TOKENS, extend_attention_sdpa, mark_cudnn_broken, sdpa_supported
 from .extend_tiles import _cat4, _channel_logits, _dequant4, _online, _query_rows, _rescale, _unpack4
 from .layout import QuantPages
 
 UNPACKS = ("cat", "vcat", "fields")
-FOLDS = ("dequant", "factor", "workspace")
+FOLDS = ("sdpa", "dequant", "factor", "workspace")
 RESCALES = ("always", "lazy")
 PMULS = ("f16", "f32")
+# the fused-kernel knobs' defaults (block_m, block_n, num_warps, num_stages, dense_stages, unpack, qnative, rescale,
+# pmul, maxnreg, pages_per_step, tma): fold=None picks "sdpa" only when none is set
+_FUSED_DEFAULTS = (64, 64, 4, None, 2, "cat", None, "always", "f16", 0, None, False)
 LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max exceeds it by 2^3 (p <= 8)
 
 
@@ -442,9 +446,9 @@ def extend_attention_triton(
     q: Tensor, k_new: Tensor, v_new: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor,
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
     out: Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
-    dense_stages: int = 2, fold: str = "dequant", unpack: str = "cat", qnative: bool | None = None,
+    dense_stages: int = 2, fold: str | None = None, unpack: str = "cat", qnative: bool | None = None,
     rescale: str = "always", pmul: str = "f16", maxnreg: int = 0, pages_per_step: int | None = None,
-    tma: bool = False,
+    tma: bool = False, segment_tokens: int = SEGMENT_TOKENS, host_lengths: tuple | None = None,
 ) -> Tensor:
     """Chunk attention over a quantized prefix; semantics of
     :func:`oscarkv.kernels.reference.extend_attention_ref`. q ``[B, T, Hq, d]``, k_new/v_new
@@ -456,7 +460,13 @@ def extend_attention_triton(
     program; ``block_n`` 16-bit keys per tile (2-bit tiles are one page); ``num_warps``; ``num_stages``
     (software pipelining of the page loop's loads; default None: 2 with more than one page a step, else 3,
     as measured fastest on the H200, docs/results/kernels_h200.md) and ``dense_stages`` (of the 16-bit loops); ``maxnreg``
-    (register cap, 0 = none). Variants: ``fold`` (``"dequant"``: each page's code tiles are
+    (register cap, 0 = none): these apply to the fused folds, and setting any of them makes the default fold
+    ``"dequant"``. Variants: ``fold`` (default None: ``"sdpa"`` where
+    :func:`~oscarkv.kernels.extend_sdpa.sdpa_supported`, else ``"dequant"``; ``"sdpa"``: the prefix dequantized
+    segment by segment, at most ``segment_tokens`` tokens, into a bounded workspace and attended by cuDNN with
+    its log-sum-exp, the chunk causally likewise, the partials merged
+    (:mod:`oscarkv.kernels.extend_sdpa`; ``host_lengths = (qlen, len16)`` as host integers spares a device
+    read); ``"dequant"``: each page's code tiles are
     dequantized to float16 once, shared by all query rows, and attention runs on them; ``"factor"``: scale and
     offset factored out of both products, applied per score); ``unpack`` (module docstring); ``rescale``
     (``"lazy"``: the running max moves only by more than 2^3 and the accumulator rescale is skipped, behind one
@@ -495,13 +505,22 @@ def extend_attention_triton(
         raise ValueError("k16/v16 and k_new/v_new must have unit last stride and equal strides")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    default_fold = fold is None
+    knobs = (block_m, block_n, num_warps, num_stages, dense_stages, unpack, qnative, rescale, pmul, maxnreg,
+             pages_per_step, tma)
+    if default_fold:  # a fused-kernel knob set by the caller asks for the fused kernel
+        fold = "sdpa" if knobs == _FUSED_DEFAULTS and sdpa_supported(q, d, host_lengths is not None) else "dequant"
+    elif fold == "sdpa" and knobs != _FUSED_DEFAULTS:
+        raise ValueError("the fused-kernel knobs (block_m, block_n, num_warps, num_stages, dense_stages, unpack, "
+                         "qnative, rescale, pmul, maxnreg, pages_per_step, tma) do not apply to fold='sdpa'")
     if unpack not in UNPACKS or rescale not in RESCALES or pmul not in PMULS or fold not in FOLDS:
         raise ValueError(f"unpack must be one of {UNPACKS}, rescale one of {RESCALES}, pmul one of {PMULS}, fold "
                          f"one of {FOLDS}; got {unpack!r}, {rescale!r}, {pmul!r}, {fold!r}")
     if not (_pow2(block_m) and _pow2(block_n) and block_m >= 16 and block_n >= 16):
         raise ValueError(f"block_m and block_n must be powers of two >= 16, got {block_m}, {block_n}")
-    if pages_per_step is None:  # the measured best fused geometry: 2 pages a step (token pages, "dequant")
-        pages_per_step = 2 if fold == "dequant" and not fmt.channel else 1
+    if pages_per_step is None:  # the measured best fused geometry: 2 pages a step (token pages, "dequant"; also
+        # what a default "sdpa" falls back to)
+        pages_per_step = 2 if fold in ("dequant", "sdpa") and not fmt.channel else 1
     if num_stages is None:  # H200, session 14: 2 pages a step 3.26 ms with 2 stages, 3.43 with 3
         num_stages = 2 if pages_per_step > 1 else 3
     if num_stages < 1 or dense_stages < 1 or maxnreg < 0:
@@ -510,7 +529,7 @@ def extend_attention_triton(
     if tma and fold != "workspace":  # code tiles through TMA in the fused folds: removed (session 14: did not
         # compile at 2 pages a step with triton 3.6, and 4.39 vs 3.57 ms at 4 pages on the H200)
         raise ValueError("tma=True applies to fold='workspace' only (the workspace tiles through TMA descriptors)")
-    if pages_per_step not in (1, 2, 4) or (pages_per_step > 1 and (fold != "dequant" or fmt.channel)):
+    if pages_per_step not in (1, 2, 4) or (pages_per_step > 1 and (fold not in ("dequant", "sdpa") or fmt.channel)):
         raise ValueError(f"pages_per_step must be 1, 2 or 4, and > 1 only with fold='dequant' and token-page "
                          f"keys; got {pages_per_step} (fold {fold!r}, key layout {fmt.layout!r})")
     g = hq // fmt.num_kv_heads
@@ -525,6 +544,15 @@ def extend_attention_triton(
         k_new, v_new = k_new.to(k16.dtype), v_new.to(k16.dtype)
     if q.dtype == torch.float32:  # the dots take 16-bit queries: prescale (as the previous kernel did) to float16
         q, sm_scale = (q * sm_scale).to(torch.float16), 1.0
+    if fold == "sdpa":
+        try:
+            return extend_attention_sdpa(q, k_new, v_new, k_pages, v_pages, block_table, qlen, k16, v16, len16,
+                                         sm_scale, out, segment_tokens=segment_tokens, host_lengths=host_lengths)
+        except RuntimeError as e:  # cuDNN refused the shape or the device: the default falls back, once
+            if not default_fold:
+                raise
+            mark_cudnn_broken(q, d, e)
+            fold = "dequant"
     if fold == "workspace":
         kw, vw = dequant_workspace(k_pages, v_pages, block_table, qlen, round_to=block_n)
         if k16.dtype != torch.float16:  # every dot in float16 (as q and the workspace): convert once, not per tile
