@@ -192,9 +192,9 @@ class PrefillCtx(_Ctx):
             self.pages = torch.tensor(new_pages, dtype=torch.long, device=self.dev)
             self._extend = _kernel_op("extend_attention")
             # the prefix lengths as host integers: the CUDA extend's cuDNN fold needs them, and reading them back
-            # from the device would stall every layer
+            # from the device would stall every layer (the bare reference takes no such argument)
             self._host_lengths = ({"host_lengths": ([self.q0], [self.len16])}
-                                 if self.dev.type == "cuda" and self._extend is not ref.extend_attention_ref else {})
+                                 if self._extend is not ref.extend_attention_ref else {})
         else:
             pos = torch.arange(n0, n1, device=self.dev)
             pages = pool.block_table[slot, pos // cfg.page_size].long()

@@ -103,3 +103,28 @@ def test_greedy_equals_transformers_integration(make_hf, arch):
         out = hf.generate(torch.tensor([prompt]), cache=handle.cache(), max_new_tokens=20,
                           min_new_tokens=20, do_sample=False)
     assert ours == out[0, 30:].tolist()
+
+
+def test_chunked_prefill_passes_the_prefix_lengths_from_the_host(make_hf, monkeypatch):
+    """Chunks after the first attend to a stored prefix through ``dispatch.extend_attention``; the engine hands it
+    the prefix lengths as host integers (the CUDA cuDNN fold needs them; a device read would stall each layer):
+    they must be the device tensors' values."""
+    from oscarkv.kernels import dispatch
+
+    seen = []
+    real = dispatch.extend_attention
+
+    def spy(*args, host_lengths=None, **kw):
+        if args[0].shape[1] > 1:  # prefill chunks (the CPU decode step also runs this op, one token per sequence)
+            seen.append((host_lengths, (args[6].tolist(), args[9].tolist())))
+        return real(*args, host_lengths=host_lengths, **kw)
+
+    monkeypatch.setattr(dispatch, "extend_attention", spy)
+    hf = make_hf("qwen2")
+    llm = LLM(hf, make_calib(hf, SMALL), kv="oscar", kv_budget_gb=0.01, max_num_seqs=1, prefill_chunk=8)
+    out = llm.generate([torch.randint(0, 256, (29,)).tolist()], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert len(seen) >= 3 * hf.config.num_hidden_layers  # chunks 2..4 of 29 tokens at 8 a chunk, every layer
+    for host, dev in seen:
+        assert host is not None and tuple(map(list, host)) == dev
+    assert any(dev[0][0] > 0 for _, dev in seen)  # some chunk saw 2-bit pages, not only the 16-bit tiers
