@@ -99,6 +99,8 @@ class StepMeta:
     max_qlen: int = 0  # longest 2-bit tier read by a decode row (sizes the decode plan's splits)
     plan: DecodePlan | None = None  # decode split geometry + workspace, planned once per step for every layer
     graph_rows: int = 0  # > 0: a decode step padded for CUDA graphs (graphs.StaticDecode); its real rows
+    qlen_host: list[int] = field(default_factory=list)  # qlen and len16 as host integers: the extend kernel's
+    len16_host: list[int] = field(default_factory=list)  # cuDNN fold needs them (no device read per layer)
 
 
 def build_step(
@@ -141,6 +143,7 @@ def build_step(
         ring_dst=to_dev(idx.ring_rows[keep], torch.int64) if keep is not None else None,
         prefills=[(r, int(qsl[r]), int(qsl[r + 1]), int(seq[r] - qlens[r])) for r in range(nd, B)],
         seq_lens=seq.tolist(), max_qlen=int(idx.qlen[:nd].max()) if nd else 0,
+        qlen_host=[int(x) for x in idx.qlen], len16_host=[int(x) for x in idx.len16],
     )
 
 
@@ -209,8 +212,10 @@ def quant_step(
             attn[a:b] = causal_self_attention(qr[a:b], kr[a:b], vr[a:b], p.sm_scale)
             continue
         k16, v16 = pre16.get(row, (empty16, empty16))
+        hl = ([m.qlen_host[row]], [m.len16_host[row]]) if m.qlen_host else None
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
-                         m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=attn[None, a:b])
+                         m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=attn[None, a:b],
+                         host_lengths=hl)
     res = unrotate_rows(attn, p)
     return res if out is None else out.copy_(res)
 
