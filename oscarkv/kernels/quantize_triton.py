@@ -24,15 +24,17 @@ twin with the same result that the CPU interpreter runs (quantize_math.py).
 of ``2^(16 - log2 d) - 1`` 16-bit steps below ``max |x|`` (4 binades of bfloat16 at d = 128, half a binade of
 float16), two per 32-bit word: a step is one VIADDMNMX.U16x2 per word instead of one VIADDMNMX.U32 per element.
 Rows whose order statistic lies below the window are resolved by lower windows (a block-uniform loop that
-the tests' Gaussian bfloat16 rows never enter). Each lower window is ``VMAX - 1`` steps further down, so a row
-whose ``n + 1`` largest ``|x|`` span far more than a window (e.g. fewer than ``n + 1`` nonzero values: the walk
-goes down to zero, ~33 windows for bfloat16 at d = 128) makes its row block cost up to that many times the
-extraction; dense K/V rows do not do this. Not done: starting each lower window at the row's largest ``|x|``
-below the last (a first version, a plain-Triton masked max per word, took the window kernel from 96 to 158
-registers in the sm_90 AOT build). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4 warps, not
-measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per thread and V
-row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers (5 vs 4 CTAs
-per SM), as the int32 keys are not compiled into a window kernel. Measured on the H200 (session 15,
+the tests' Gaussian bfloat16 rows never enter), each ending one step above the row's largest ``|x|`` below the
+last window (one packed subtract-min pass over the words, on this redo path only), so stretches of a row
+without values cost nothing: at most ``n + 1`` windows, 2 for a row with fewer than ``n + 1`` nonzero values
+or one huge outlier over tiny values (lower windows a fixed ``VMAX - 1`` steps apart walked such rows through
+up to ~33 windows for bfloat16 at d = 128). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4
+warps, not measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per
+thread and V row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers
+(5 vs 4 CTAs per SM), as the int32 keys are not compiled into a window kernel. The jump to the next value adds
+73 instructions per thread to each redo window (344 vs 271 in the redo loop; one warp: 334 vs 261) and nothing
+to the first window, 96 registers (one warp: 95, 96 before; a plain-Triton masked max per word instead had
+taken the kernel to 158). Measured on the H200 (session 15,
 ``benchmarks/kernels_probe.py --only win --ref``, 32768 rows x 8 heads, K+V, bfloat16, clip 0.96 / 0.92, every
 row bit-identical): win=0 0.0757 ms (43% of 4.7 TB/s), win=1 0.0672 ms (49%), win=1 with one warp per program
 0.0617 ms (53%; 2 warps 0.0647, 8 warps 0.0834): the default for bfloat16 rows is win=1 with one warp where a
@@ -51,9 +53,9 @@ from ..quant import clip_index
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2
 from .layout import QuantPages
 from .quantize_math import (_codes, _f32_to16, _from16, _group_params, _group_params_x, _h2max, _max4, _min4,
-                            _part_codes, _part_range, _pk_add, _pk_addmin, _pk_nkeys, _pk_rowmin2, _pk_umin,
-                            _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold, _to_f32,
-                            _w_hi, _w_lo, _wcodes)
+                            _part_codes, _part_range, _pk_add, _pk_addmin, _pk_below, _pk_nkeys, _pk_rowmin2,
+                            _pk_umin, _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold,
+                            _to_f32, _w_hi, _w_lo, _wcodes)
 from .reference import channel_page_ids
 
 _META_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -472,13 +474,31 @@ def _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ: tl.constexpr, SPLIT: tl
 
 
 @triton.jit
+def _wbelow(w0, w1, w2, w3, w4, w5, w6, w7, nb, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """Per row, ``y = -nb - q``: how far below ``-nb`` (the bottom of the window ``nb``, whose keys are 0 for
+    ``p <= -nb``) the row's largest bits ``q`` of ``|x|`` at or below ``-nb`` lie (rows with such an element;
+    garbage for the others). One linear :func:`_pk_below` chain over the words, then a packed row minimum."""
+    l2 = (((1 - nb) & 0xFFFF) * 65537)[:, None] + (w0 & 0)
+    acc = _pk_below(_pk_below(_pk_below(_pk_below(w0 | -1, w0, l2, INTERP), w1, l2, INTERP), w2, l2, INTERP), w3,
+                    l2, INTERP)
+    if SPLIT == 2:
+        acc = _pk_below(_pk_below(_pk_below(_pk_below(acc, w4, l2, INTERP), w5, l2, INTERP), w6, l2, INTERP), w7,
+                        l2, INTERP)
+    return _pk_rowmin2(acc, INTERP) & 0xFFFF
+
+
+@triton.jit
 def _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ: tl.constexpr, SPLIT: tl.constexpr,
               BF16: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
     """:func:`_wtau` mode 1 by :func:`_wwin`: the first window ends at ``p(max |x|)`` (``nb = VMAX - p_max``),
     exact where the order statistic has ``v >= 1``, i.e. lies less than ``VMAX`` 16-bit steps below ``max |x|``
-    (4 binades of bfloat16 at d = 128). Blocks with a row below it (a block-uniform branch) repeat with windows
-    ``VMAX - 1`` steps lower, the keys above a window clamped to ``VMAX`` (fewer than ``n + 1`` of them, since
-    the window above failed), until every row is resolved."""
+    (4 binades of bfloat16 at d = 128). Blocks with a row below it (a block-uniform branch) repeat with lower
+    windows, each ending one step above ``q``, the row's largest ``p`` below the last window (:func:`_wbelow`,
+    one pass over the words: empty stretches of the row cost nothing): ``nb <- VMAX - 1 - q``, at least
+    ``VMAX - 1`` steps lower. The keys above a lower window (``p > q``, all inside the windows above, so fewer
+    than ``n + 1`` of them) are clamped to ``VMAX``, ``q`` itself has ``v = VMAX - 1``, so the order statistic
+    is exact where ``v >= 1``; each window holds at least one more key than the last (``q``), so a row needs at
+    most ``n + 1`` windows. Returns ``tau`` and the number of windows the block ran (for the tests)."""
     VMAX: tl.constexpr = (1 << (16 - TB)) - 1
     amax = tl.maximum(hi, -lo)
     if BF16:
@@ -489,12 +509,14 @@ def _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ: tl.const
     v = _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, False, INTERP)
     a16 = v - nb
     bad = valid & (v == 0)
+    nwin = 1
     while tl.max(bad.to(tl.int32), axis=0) > 0:
-        nb = nb + (VMAX - 1)
+        nb = nb + (VMAX - 1) + _wbelow(w0, w1, w2, w3, w4, w5, w6, w7, nb, SPLIT, INTERP)
         v = _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, True, INTERP)
         a16 = tl.where(bad, v - nb, a16)
         bad = bad & (v == 0)
-    return _from16(a16, BF16)
+        nwin += 1
+    return _from16(a16, BF16), nwin
 
 
 @triton.jit
@@ -545,7 +567,7 @@ def _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw
     hi = _wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, HRED, INTERP)
     tau = tl.full([BLOCK_R], float("inf"), tl.float32)
     if WIN:  # the launcher saw mode 1 (top-down)
-        tau = _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ, SPLIT, BF16, TB, INTERP)
+        tau, _ = _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ, SPLIT, BF16, TB, INTERP)
     elif mode > 0:
         tau = _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ, SPLIT, BF16, INTERP)
     sc, lo_s, b1, b2, b3 = _group_params_x(lo, hi, tau, META, CODES, BF16)

@@ -229,14 +229,15 @@ def test_fast16_demote_and_channel_keys():
 
 # ------------------------------------------------------------------------------ windowed clip (win=1/2)
 @triton.jit
-def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr, TB: tl.constexpr,
+def _win_probe(x_ptr, tau_ptr, v1_ptr, nw_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr, TB: tl.constexpr,
                B: tl.constexpr, INTERP: tl.constexpr):
-    """tau of contiguous rows by :func:`_wtau_win`, and the window value its first window ends on (0: the
-    order statistic lies below it and a lower window resolved the row)."""
+    """tau of contiguous rows (``B`` per program) by :func:`_wtau_win`, the window value its first window ends
+    on (0: the order statistic lies below it and a lower window resolved the row) and the number of windows
+    the program's block ran."""
     HW: tl.constexpr = DQ // 2
     SW: tl.constexpr = HW // SPLIT
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    rows = tl.arange(0, B)
+    rows = tl.program_id(0) * B + tl.arange(0, B)
     wc = tl.arange(0, SW)
     p = x_ptr.to(tl.pointer_type(tl.int32)) + (rows * (2 * DQ))[:, None] + wc[None, :]
     w0, w1, w2, w3 = tl.load(p), tl.load(p + HW), tl.load(p + 2 * HW), tl.load(p + 3 * HW)
@@ -246,7 +247,7 @@ def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr,
         w4, w5, w6, w7 = w0, w1, w2, w3
     lo = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, False, False, INTERP)
     hi = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, False, INTERP)
-    tau = qt._wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, rows >= 0, DQ, SPLIT, BF16, TB, INTERP)
+    tau, nwin = qt._wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, rows >= 0, DQ, SPLIT, BF16, TB, INTERP)
     amax = tl.maximum(hi, -lo)
     if BF16:
         pmax = amax.to(tl.int32, bitcast=True) >> 16
@@ -256,6 +257,17 @@ def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr,
     v1 = qt._wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, False, INTERP)
     tl.store(tau_ptr + rows, tau)
     tl.store(v1_ptr + rows, v1)
+    tl.store(nw_ptr + rows, v1 * 0 + nwin)
+
+
+def _run_win_probe(x, n, split, b):
+    """(tau, first-window value, windows run) of rows ``x`` [R, d] by :func:`_win_probe`, ``b`` rows a program."""
+    r, d = x.shape
+    tau, v1 = torch.empty(r, device=DEVICE), torch.empty(r, dtype=torch.int32, device=DEVICE)
+    nw = torch.empty(r, dtype=torch.int32, device=DEVICE)
+    _win_probe[(r // b,)](x.to(DEVICE), tau, v1, nw, n, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=b,
+                          INTERP=interpreting())
+    return tau.cpu(), v1.cpu(), nw.cpu()
 
 
 def _window_rows(d, dtype, r, g):
@@ -287,22 +299,17 @@ def test_window_clip_edges(d, dtype, split):
     g = torch.Generator().manual_seed(d)
     for r in (10, 5, 1):
         x, offs, vmax = _window_rows(d, dtype, r, g)
-        b = x.shape[0]
-        tau, v1 = torch.empty(b, device=DEVICE), torch.empty(b, dtype=torch.int32, device=DEVICE)
-        _win_probe[(1,)](x.to(DEVICE), tau, v1, r, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=b,
-                         INTERP=interpreting())
+        tau, v1, _ = _run_win_probe(x, r, split, x.shape[0])
         want = torch.kthvalue(x.float().abs(), d - r, dim=1).values
-        assert torch.equal(tau.cpu(), want), (r, offs, tau.cpu(), want)
+        assert torch.equal(tau, want), (r, offs, tau, want)
         first = torch.tensor([o <= vmax - 1 for o in offs])
-        assert torch.equal(v1.cpu() > 0, first), (r, offs, v1.cpu())
+        assert torch.equal(v1 > 0, first), (r, offs, v1)
     if dtype == torch.bfloat16:
         x = (torch.randn(64, d, generator=g) * torch.rand(64, 1, generator=g) * 10).to(dtype)
-        tau, v1 = torch.empty(64, device=DEVICE), torch.empty(64, dtype=torch.int32, device=DEVICE)
         n = d - 1 - int(0.92 * d)
-        _win_probe[(1,)](x.to(DEVICE), tau, v1, n, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=64,
-                         INTERP=interpreting())
-        assert torch.equal(tau.cpu(), torch.kthvalue(x.float().abs(), d - n, dim=1).values)
-        assert bool((v1 > 0).all())
+        tau, v1, nw = _run_win_probe(x, n, split, 64)
+        assert torch.equal(tau, torch.kthvalue(x.float().abs(), d - n, dim=1).values)
+        assert bool((v1 > 0).all()) and bool((nw == 1).all())
 
 
 # ------------------------------------------------------------------------------- per-row threshold helpers
