@@ -312,6 +312,85 @@ def test_window_clip_edges(d, dtype, split):
         assert bool((v1 > 0).all()) and bool((nw == 1).all())
 
 
+def _windows(p, n, vmax, jump):
+    """Windows :func:`_wtau_win` runs on one row (``p`` the bits of ``|x|``) for its ``(n+1)``-th largest
+    ``|x|``: the first ends at ``max p``, each lower one ``VMAX - 1`` steps further down (the old rule) or, with
+    ``jump``, one step above the row's largest ``p`` below the last window."""
+    t = int(p.sort(descending=True).values[n])
+    nb, k = vmax - int(p.max()), 1
+    while t + nb <= 0:  # the order statistic has window value 0: below this window
+        nb = vmax - 1 - int(p[p <= -nb].max()) if jump else nb + vmax - 1
+        k += 1
+    return k
+
+
+def _sparse_rows(d, n, vmax, sub, g):
+    """Bit patterns of ``|x|`` (int64, signs not yet set) of rows whose ``n + 1`` largest ``|x|`` span many
+    windows: fewer than ``n + 1`` nonzero values; one huge outlier over tiny values; ``n + 1`` values about
+    2.25 windows apart over tiny ones; a few normal values over subnormals (``p < sub``) and zeros; the order
+    statistic one and two steps below the bottom of the second window (``q - VMAX + 2``, ``q - VMAX + 1``,
+    ``q`` the largest ``p`` below the first); the order statistic at ``q`` itself."""
+    def rnd(a, b, k):  # k patterns in [a, b]
+        return torch.randint(a, b + 1, (k,), generator=g)
+    rows = [torch.cat([rnd(0x3000, 0x4000, n), torch.zeros(d - n, dtype=torch.long)]),
+            torch.cat([torch.tensor([0x7B00]), rnd(0x2000, 0x2400, d - 1)])]
+    step = 2 * vmax + vmax // 4
+    top = torch.tensor([0x7B00 - i * step for i in range(n + 1)])
+    rows.append(torch.cat([top, rnd(0, int(top[-1]) - 1, d - n - 1)]))
+    rows.append(torch.cat([torch.tensor([0x3C00]), rnd(0x3800, 0x3C00, n - 1), rnd(0, sub - 1, d - n - 4),
+                           torch.zeros(4, dtype=torch.long)]))
+    for o in (vmax - 2, vmax - 1):
+        rows.append(torch.cat([torch.tensor([0x7000]), torch.full((n - 1,), 0x4000), torch.tensor([0x4000 - o]),
+                               rnd(0, 0x4000 - o, d - n - 1)]))
+    rows.append(torch.cat([torch.tensor([0x7000]), rnd(0x7000 - vmax // 2, 0x7000, n - 1), torch.tensor([0x2000]),
+                           rnd(0, 0x2000, d - n - 1)]))
+    return [r[torch.randperm(d, generator=g)] for r in rows]
+
+
+def _signed(p, dtype, g):
+    """16-bit rows from bit patterns of ``|x|``, random signs (signed zeros too)."""
+    s = torch.randint(0, 2, p.shape, generator=g) << 15
+    return (p | s).to(torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("d,dtype,split,n,b", [(128, torch.bfloat16, 2, 5, 1), (128, torch.bfloat16, 2, 10, 8),
+                                                (64, torch.float16, 1, 10, 8)])
+def test_window_walk_jumps_empty_stretches(d, dtype, split, n, b):
+    """Rows whose order statistic lies many windows below max |x| (fewer than n + 1 nonzeros, a huge outlier,
+    values spanning many binades, subnormals, window edges) and a Gaussian row: tau is exact, every row but the
+    Gaussian one needs more than one window under the old rule (lower windows ``VMAX - 1`` steps apart: up to
+    44 here), and the walk runs the windows of the jump rule (the next window ends at the row's largest |x|
+    below the last): per row (``b = 1``, one row a program) or the most of the block's rows (``b = 8``)."""
+    g = torch.Generator().manual_seed(11 + n)
+    vmax = (1 << (16 - (d.bit_length() - 1))) - 1
+    pats = _sparse_rows(d, n, vmax, 0x80 if dtype == torch.bfloat16 else 0x400, g)
+    old = [_windows(p, n, vmax, False) for p in pats]
+    assert min(old) > 1 and max(old) > 20, old  # not vacuous: the old walk needed several windows for each
+    x = torch.stack([_signed(p, dtype, g) for p in pats] + [torch.randn(d, generator=g).to(dtype)])
+    new = [_windows(p, n, vmax, True) for p in x.view(torch.int16).to(torch.int64) & 0x7FFF]
+    assert new[-1] == 1 and max(new) <= n + 1 and sum(new) < sum(old), (new, old)
+    tau, _, nw = _run_win_probe(x, n, split, b)
+    assert torch.equal(tau, torch.kthvalue(x.float().abs(), d - n, dim=1).values), (n, tau)
+    if b > 1:
+        new = [max(new)] * len(new)
+    assert nw.tolist() == new, (n, nw.tolist(), new, old)
+
+
+def test_fast16_default_sparse_rows_bit_exact():
+    """The library default (fast16, windowed bfloat16 keys, one warp) on a row block that mixes Gaussian rows
+    with the rows of :func:`_sparse_rows` (K at 0.96: n = 5, V at 0.92: n = 10), bit-exact; each of those
+    rows would have needed more than one window under the old rule."""
+    g = torch.Generator().manual_seed(12)
+    d, n_rows = 128, 16  # one row block (16 rows at one warp); row 5 (n_rows // 3) is a padding row
+    x = (torch.randn(n_rows, HKV, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(n_rows, HKV, d, generator=g).to(torch.bfloat16)
+    for t, n, rows in ((x, 5, (1, 3, 6, 9, 12, 14, 15)), (v, 10, (0, 2, 4, 7, 10, 11, 13))):
+        for i, p in zip(rows, _sparse_rows(d, n, 511, 0x80, g)):
+            assert _windows(p, n, 511, False) > 1
+            t[i, i % HKV] = _signed(p, torch.bfloat16, g)
+    _round_trip(x, v, 0.96, 0.92, ())
+
+
 # ------------------------------------------------------------------------------- per-row threshold helpers
 @triton.jit
 def _thr_probe(s_ptr, lo_ptr, o64_ptr, ob_ptr, n, BF16: tl.constexpr, K: tl.constexpr, B: tl.constexpr):
