@@ -67,7 +67,7 @@ _CODE_FORMS = {"code_div": 0, "code_floor": 1, "code_thr": 2, "code_thr8": 3, "c
 # clip order statistic, forced (default: the cheapest for the ratio): 1 top-down extraction, 2 bottom-up,
 # 3 bitwise bisection, 4 bitonic sort (a slow independent cross-check)
 _CLIP_FORMS = {"clip_top": 1, "clip_bottom": 2, "clip_bisect": 3, "clip_sort": 4}
-_TUNING = ("block_r", "warps", "bpp", "prefetch", "split", "hred", "win", "regs")
+_TUNING = ("block_r", "warps", "bpp", "prefetch", "split", "hred", "win", "regs", "warps0")
 # kernels: "rows" (_quantize_kv_kernel, every format) or "fast16" (_quant16_kernel: 16-bit rows without mean or
 # rotation, 2-bit, one group per row, d/8 a power of two, d <= 256; other launches fall back to "rows")
 _KERNELS = ("rows", "fast16")
@@ -747,13 +747,13 @@ def clip_plan(clip: float, d: int, key16: bool, force: int = 0) -> tuple[int, in
 def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
     """Formulation and launch knobs: code/clip names (``_CODE_FORMS``, ``_CLIP_FORMS``) and ``name=int`` for
     ``block_r`` (rows per block), ``warps``, ``bpp`` (row blocks per program), ``prefetch`` (0/1); for fast16
-    ``split``, ``hred``, ``win`` and ``regs`` (see :func:`quantize_write_triton`)."""
+    ``split``, ``hred``, ``win``, ``regs`` and ``warps0`` (see :func:`quantize_write_triton`)."""
     # prefetch off: the kernel is issue-bound (SASS: ~8% more instructions and 96 -> 127 registers with it)
     # 2-bit codes by per-row thresholds (code_thr8): measured 0.113 ms vs 0.158 ms with one division per element
     # (H200, 32768 rows x 8 heads, K+V, clip; docs/results/kernels_h200.md), bit-identical
     opt = {"codes": 3 if bits == 2 else 1, "clip": 0, "block_r": 32, "warps": 4, "bpp": 4,
            "prefetch": 0, "kernel": "rows", "split": 1, "hred": 0, "win": 0,
-           "regs": 0}
+           "regs": 0, "warps0": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
     named = {v.partition("=")[0] for v in variant}
@@ -797,8 +797,9 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
     b = opt["block_r"]
     if b < 16 or b & (b - 1) or b > 256:
         raise ValueError(f"block_r must be a power of two in [16, 256], got {b}")
-    if opt["warps"] not in (1, 2, 4, 8, 16):
-        raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {opt['warps']}")
+    if opt["warps"] not in (1, 2, 4, 8, 16) or opt["warps0"] not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be 1, 2, 4, 8 or 16 and warps0 0 or one of those, got {opt['warps']} and "
+                         f"{opt['warps0']}")
     if opt["split"] not in (1, 2) or opt["hred"] not in (0, 1):
         raise ValueError(f"split must be 1 or 2 and hred 0 or 1, got {opt['split']} and {opt['hred']}")
     if opt["win"] not in (0, 1, 2) or not (opt["regs"] == 0 or 24 <= opt["regs"] <= 255):
@@ -886,6 +887,8 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
         if opt.get("warps_auto") and (k_win or v_win):  # the default: one warp per program where a side windows
             opt["warps"] = 1
+        elif opt["warps0"] and kmode == 0 and vmode == 0:  # asked for: the warps where neither side clips
+            opt["warps"] = opt["warps0"]
         if not any(x.startswith("block_r=") for x in variant):
             # one row spans d / (32 split) threads: fill the CTA without replication
             opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
@@ -987,8 +990,9 @@ def quantize_write_triton(
     "prefetch=" (0/1: load the next block before this one's math); "fast16" (the 16-bit-row kernel
     ``_quant16_kernel`` where :func:`fast16_ok` allows, the row kernel otherwise) with "split=" (1/2: a row over
     d/32 or d/64 threads), "hred=" (0/1: packed per-thread min/max reduction), "win=" (0: int32 clip keys, 1:
-    windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only) and "regs=" (a
-    register cap per thread, 0 = none).
+    windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only), "regs=" (a
+    register cap per thread, 0 = none) and "warps0=" (warps per program where neither side clips, e.g. 1 like
+    the windowed default; 0, the default: ``warps``, 4 unless given).
     Rotations of token-page rows are applied in torch float32 (``(x - mean) @ R``) before the row kernel; keys
     in channel pages get theirs fused (``tf32x3`` dot) into the channel-page kernel.
 

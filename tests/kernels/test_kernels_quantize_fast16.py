@@ -115,7 +115,7 @@ def test_fast16_serves_only_supported_launches():
         _parse_variant(("fast16", "split=3"), 2)
     with pytest.raises(ValueError):
         _parse_variant(("fast16", "hred=2"), 2)
-    for bad in ("win=3", "regs=8", "regs=300"):
+    for bad in ("win=3", "regs=8", "regs=300", "warps0=3"):
         with pytest.raises(ValueError):
             _parse_variant(("fast16", bad), 2)
 
@@ -225,6 +225,32 @@ def test_fast16_demote_and_channel_keys():
     quantize_write_ref(vr, -x, slots, clip_ratio=0.92)
     _assert_same(kp, kr, "channel K")
     _assert_same(vp, vr, "V next to channel K")
+
+
+class _LaunchSpy:
+    """Stands in for ``_quant16_kernel``: records (num_warps, BLOCK_R) of each launch and runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["num_warps"], kw["BLOCK_R"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_fast16_no_clip_warps0(monkeypatch):
+    """``warps0``: the warps of a fast16 launch where neither side clips (the default keeps 4), the row block
+    filling them; bit-exact; launches that clip keep their warps (one where a side takes the window)."""
+    spy = _LaunchSpy(qt._quant16_kernel)
+    monkeypatch.setattr(qt, "_quant16_kernel", spy)
+    x = _edge_rows(21, 2, 128, torch.bfloat16, seed=6)
+    for form, k_clip, v_clip, want in (((), 0.0, 1.0, (4, 64)), (("warps0=1",), 0.0, 1.0, (1, 16)),
+                                        (("fast16", "split=2", "code_thr64", "warps0=2"), 0.0, 0.0, (2, 32)),
+                                        (("warps0=2",), 0.96, 0.0, (1, 16))):
+        _round_trip(x, -x, k_clip, v_clip, form)
+        assert spy.seen[-1] == want, (form, spy.seen)
 
 
 # ------------------------------------------------------------------------------ windowed clip (win=1/2)
