@@ -528,6 +528,23 @@ def _pk_addmin(acc, k, m2, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _pk_below(acc, w, l2, INTERP: tl.constexpr):
+    """Lane-wise ``umin(acc, L - p)`` (modulo 2^16) for ``p`` the bits of ``|x|`` of the two elements of words
+    ``w``, ``l2`` holding ``L + 1`` in both lanes: ``L - p`` is in ``[0, 0x7FFF]`` for ``p <= L`` and wraps to
+    ``[0x8001, 0xFFFF]`` for ``p > L`` (``0 <= L, p <= 0x7FFF``), so the minimum over a row is ``L - q``,
+    ``q = max{p <= L}`` (where the row has such a ``p``). ``L - p = (L + 1) + ~p`` and ``~p = ~w | 0x8000`` per
+    lane: one LOP3 and one VIADDMNMX.U16x2 per word, in one asm block (``l2`` changes per window, so nothing is
+    hoisted out of the redo loop)."""
+    if INTERP:
+        r = _pk_umin(acc, _pk_add(~w | -2147450880, l2, True), True)  # 0x80008000
+    else:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; not.b32 t, $2; or.b32 t, t, 0x80008000; add.u16x2 t, t, $3; min.u16x2 $0, $1, t; }",
+            "=r,r,r,r", [acc, w, l2], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
 def _pk_rowmin2(a, INTERP: tl.constexpr):
     """Per-row minimum over both lanes of every word of ``a`` ``[rows, words]``, in both lanes of an int32:
     lane-wise across the thread's words and the row's threads, then against the swapped lanes."""

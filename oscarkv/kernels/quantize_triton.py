@@ -24,15 +24,17 @@ twin with the same result that the CPU interpreter runs (quantize_math.py).
 of ``2^(16 - log2 d) - 1`` 16-bit steps below ``max |x|`` (4 binades of bfloat16 at d = 128, half a binade of
 float16), two per 32-bit word: a step is one VIADDMNMX.U16x2 per word instead of one VIADDMNMX.U32 per element.
 Rows whose order statistic lies below the window are resolved by lower windows (a block-uniform loop that
-the tests' Gaussian bfloat16 rows never enter). Each lower window is ``VMAX - 1`` steps further down, so a row
-whose ``n + 1`` largest ``|x|`` span far more than a window (e.g. fewer than ``n + 1`` nonzero values: the walk
-goes down to zero, ~33 windows for bfloat16 at d = 128) makes its row block cost up to that many times the
-extraction; dense K/V rows do not do this. Not done: starting each lower window at the row's largest ``|x|``
-below the last (a first version, a plain-Triton masked max per word, took the window kernel from 96 to 158
-registers in the sm_90 AOT build). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4 warps, not
-measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per thread and V
-row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers (5 vs 4 CTAs
-per SM), as the int32 keys are not compiled into a window kernel. Measured on the H200 (session 15,
+the tests' Gaussian bfloat16 rows never enter), each ending one step above the row's largest ``|x|`` below the
+last window (one packed subtract-min pass over the words, on this redo path only), so stretches of a row
+without values cost nothing: at most ``n + 1`` windows, 2 for a row with fewer than ``n + 1`` nonzero values
+or one huge outlier over tiny values (lower windows a fixed ``VMAX - 1`` steps apart walked such rows through
+up to ~33 windows for bfloat16 at d = 128). Static sm_90 figures (Triton 3.6 AOT build, d = 128, split 2, 4
+warps, not measured on a GPU): 42 vs 75 instructions per thread and extraction step, about 1118 vs 1433 per
+thread and V row block at clip 0.92 (10 steps) and 908 vs 1058 for K at 0.96 (5 steps); 96 vs 128 registers
+(5 vs 4 CTAs per SM), as the int32 keys are not compiled into a window kernel. The jump to the next value adds
+73 instructions per thread to each redo window (344 vs 271 in the redo loop; one warp: 334 vs 261) and nothing
+to the first window, 96 registers (one warp: 95, 96 before; a plain-Triton masked max per word instead had
+taken the kernel to 158). Measured on the H200 (session 15,
 ``benchmarks/kernels_probe.py --only win --ref``, 32768 rows x 8 heads, K+V, bfloat16, clip 0.96 / 0.92, every
 row bit-identical): win=0 0.0757 ms (43% of 4.7 TB/s), win=1 0.0672 ms (49%), win=1 with one warp per program
 0.0617 ms (53%; 2 warps 0.0647, 8 warps 0.0834): the default for bfloat16 rows is win=1 with one warp where a
@@ -51,9 +53,9 @@ from ..quant import clip_index
 from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2
 from .layout import QuantPages
 from .quantize_math import (_codes, _f32_to16, _from16, _group_params, _group_params_x, _h2max, _max4, _min4,
-                            _part_codes, _part_range, _pk_add, _pk_addmin, _pk_nkeys, _pk_rowmin2, _pk_umin,
-                            _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold, _to_f32,
-                            _w_hi, _w_lo, _wcodes)
+                            _part_codes, _part_range, _pk_add, _pk_addmin, _pk_below, _pk_nkeys, _pk_rowmin2,
+                            _pk_umin, _round_meta, _store_meta, _subumin, _tau_f32, _tau_key16, _tau_sort, _threshold,
+                            _to_f32, _w_hi, _w_lo, _wcodes)
 from .reference import channel_page_ids
 
 _META_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -65,7 +67,7 @@ _CODE_FORMS = {"code_div": 0, "code_floor": 1, "code_thr": 2, "code_thr8": 3, "c
 # clip order statistic, forced (default: the cheapest for the ratio): 1 top-down extraction, 2 bottom-up,
 # 3 bitwise bisection, 4 bitonic sort (a slow independent cross-check)
 _CLIP_FORMS = {"clip_top": 1, "clip_bottom": 2, "clip_bisect": 3, "clip_sort": 4}
-_TUNING = ("block_r", "warps", "bpp", "prefetch", "split", "hred", "win", "regs")
+_TUNING = ("block_r", "warps", "bpp", "prefetch", "split", "hred", "win", "regs", "warps0")
 # kernels: "rows" (_quantize_kv_kernel, every format) or "fast16" (_quant16_kernel: 16-bit rows without mean or
 # rotation, 2-bit, one group per row, d/8 a power of two, d <= 256; other launches fall back to "rows")
 _KERNELS = ("rows", "fast16")
@@ -472,13 +474,31 @@ def _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ: tl.constexpr, SPLIT: tl
 
 
 @triton.jit
+def _wbelow(w0, w1, w2, w3, w4, w5, w6, w7, nb, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+    """Per row, ``y = -nb - q``: how far below ``-nb`` (the bottom of the window ``nb``, whose keys are 0 for
+    ``p <= -nb``) the row's largest bits ``q`` of ``|x|`` at or below ``-nb`` lie (rows with such an element;
+    garbage for the others). One linear :func:`_pk_below` chain over the words, then a packed row minimum."""
+    l2 = (((1 - nb) & 0xFFFF) * 65537)[:, None] + (w0 & 0)
+    acc = _pk_below(_pk_below(_pk_below(_pk_below(w0 | -1, w0, l2, INTERP), w1, l2, INTERP), w2, l2, INTERP), w3,
+                    l2, INTERP)
+    if SPLIT == 2:
+        acc = _pk_below(_pk_below(_pk_below(_pk_below(acc, w4, l2, INTERP), w5, l2, INTERP), w6, l2, INTERP), w7,
+                        l2, INTERP)
+    return _pk_rowmin2(acc, INTERP) & 0xFFFF
+
+
+@triton.jit
 def _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ: tl.constexpr, SPLIT: tl.constexpr,
               BF16: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
     """:func:`_wtau` mode 1 by :func:`_wwin`: the first window ends at ``p(max |x|)`` (``nb = VMAX - p_max``),
     exact where the order statistic has ``v >= 1``, i.e. lies less than ``VMAX`` 16-bit steps below ``max |x|``
-    (4 binades of bfloat16 at d = 128). Blocks with a row below it (a block-uniform branch) repeat with windows
-    ``VMAX - 1`` steps lower, the keys above a window clamped to ``VMAX`` (fewer than ``n + 1`` of them, since
-    the window above failed), until every row is resolved."""
+    (4 binades of bfloat16 at d = 128). Blocks with a row below it (a block-uniform branch) repeat with lower
+    windows, each ending one step above ``q``, the row's largest ``p`` below the last window (:func:`_wbelow`,
+    one pass over the words: empty stretches of the row cost nothing): ``nb <- VMAX - 1 - q``, at least
+    ``VMAX - 1`` steps lower. The keys above a lower window (``p > q``, all inside the windows above, so fewer
+    than ``n + 1`` of them) are clamped to ``VMAX``, ``q`` itself has ``v = VMAX - 1``, so the order statistic
+    is exact where ``v >= 1``; each window holds at least one more key than the last (``q``), so a row needs at
+    most ``n + 1`` windows. Returns ``tau`` and the number of windows the block ran (for the tests)."""
     VMAX: tl.constexpr = (1 << (16 - TB)) - 1
     amax = tl.maximum(hi, -lo)
     if BF16:
@@ -489,12 +509,14 @@ def _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ: tl.const
     v = _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, False, INTERP)
     a16 = v - nb
     bad = valid & (v == 0)
+    nwin = 1
     while tl.max(bad.to(tl.int32), axis=0) > 0:
-        nb = nb + (VMAX - 1)
+        nb = nb + (VMAX - 1) + _wbelow(w0, w1, w2, w3, w4, w5, w6, w7, nb, SPLIT, INTERP)
         v = _wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, True, INTERP)
         a16 = tl.where(bad, v - nb, a16)
         bad = bad & (v == 0)
-    return _from16(a16, BF16)
+        nwin += 1
+    return _from16(a16, BF16), nwin
 
 
 @triton.jit
@@ -545,7 +567,7 @@ def _wprocess(slot, w0, w1, w2, w3, w4, w5, w6, w7, blk, h, wc, mode, n, idx, cw
     hi = _wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, HRED, INTERP)
     tau = tl.full([BLOCK_R], float("inf"), tl.float32)
     if WIN:  # the launcher saw mode 1 (top-down)
-        tau = _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ, SPLIT, BF16, TB, INTERP)
+        tau, _ = _wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, valid, DQ, SPLIT, BF16, TB, INTERP)
     elif mode > 0:
         tau = _wtau(w0, w1, w2, w3, w4, w5, w6, w7, wc, mode, n, idx, DQ, SPLIT, BF16, INTERP)
     sc, lo_s, b1, b2, b3 = _group_params_x(lo, hi, tau, META, CODES, BF16)
@@ -725,13 +747,13 @@ def clip_plan(clip: float, d: int, key16: bool, force: int = 0) -> tuple[int, in
 def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
     """Formulation and launch knobs: code/clip names (``_CODE_FORMS``, ``_CLIP_FORMS``) and ``name=int`` for
     ``block_r`` (rows per block), ``warps``, ``bpp`` (row blocks per program), ``prefetch`` (0/1); for fast16
-    ``split``, ``hred``, ``win`` and ``regs`` (see :func:`quantize_write_triton`)."""
+    ``split``, ``hred``, ``win``, ``regs`` and ``warps0`` (see :func:`quantize_write_triton`)."""
     # prefetch off: the kernel is issue-bound (SASS: ~8% more instructions and 96 -> 127 registers with it)
     # 2-bit codes by per-row thresholds (code_thr8): measured 0.113 ms vs 0.158 ms with one division per element
     # (H200, 32768 rows x 8 heads, K+V, clip; docs/results/kernels_h200.md), bit-identical
     opt = {"codes": 3 if bits == 2 else 1, "clip": 0, "block_r": 32, "warps": 4, "bpp": 4,
            "prefetch": 0, "kernel": "rows", "split": 1, "hred": 0, "win": 0,
-           "regs": 0}
+           "regs": 0, "warps0": 0}
     if isinstance(variant, str):
         raise ValueError(f"variant must be a tuple of names, got the string {variant!r}")
     named = {v.partition("=")[0] for v in variant}
@@ -775,8 +797,9 @@ def _parse_variant(variant: tuple[str, ...], bits: int) -> dict:
     b = opt["block_r"]
     if b < 16 or b & (b - 1) or b > 256:
         raise ValueError(f"block_r must be a power of two in [16, 256], got {b}")
-    if opt["warps"] not in (1, 2, 4, 8, 16):
-        raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {opt['warps']}")
+    if opt["warps"] not in (1, 2, 4, 8, 16) or opt["warps0"] not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be 1, 2, 4, 8 or 16 and warps0 0 or one of those, got {opt['warps']} and "
+                         f"{opt['warps0']}")
     if opt["split"] not in (1, 2) or opt["hred"] not in (0, 1):
         raise ValueError(f"split must be 1 or 2 and hred 0 or 1, got {opt['split']} and {opt['hred']}")
     if opt["win"] not in (0, 1, 2) or not (opt["regs"] == 0 or 24 <= opt["regs"] <= 255):
@@ -864,6 +887,8 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
         if opt.get("warps_auto") and (k_win or v_win):  # the default: one warp per program where a side windows
             opt["warps"] = 1
+        elif opt["warps0"] and kmode == 0 and vmode == 0:  # asked for: the warps where neither side clips
+            opt["warps"] = opt["warps0"]
         if not any(x.startswith("block_r=") for x in variant):
             # one row spans d / (32 split) threads: fill the CTA without replication
             opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
@@ -965,8 +990,9 @@ def quantize_write_triton(
     "prefetch=" (0/1: load the next block before this one's math); "fast16" (the 16-bit-row kernel
     ``_quant16_kernel`` where :func:`fast16_ok` allows, the row kernel otherwise) with "split=" (1/2: a row over
     d/32 or d/64 threads), "hred=" (0/1: packed per-thread min/max reduction), "win=" (0: int32 clip keys, 1:
-    windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only) and "regs=" (a
-    register cap per thread, 0 = none).
+    windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only), "regs=" (a
+    register cap per thread, 0 = none) and "warps0=" (warps per program where neither side clips, e.g. 1 like
+    the windowed default; 0, the default: ``warps``, 4 unless given).
     Rotations of token-page rows are applied in torch float32 (``(x - mean) @ R``) before the row kernel; keys
     in channel pages get theirs fused (``tf32x3`` dot) into the channel-page kernel.
 

@@ -115,7 +115,7 @@ def test_fast16_serves_only_supported_launches():
         _parse_variant(("fast16", "split=3"), 2)
     with pytest.raises(ValueError):
         _parse_variant(("fast16", "hred=2"), 2)
-    for bad in ("win=3", "regs=8", "regs=300"):
+    for bad in ("win=3", "regs=8", "regs=300", "warps0=3"):
         with pytest.raises(ValueError):
             _parse_variant(("fast16", bad), 2)
 
@@ -227,16 +227,43 @@ def test_fast16_demote_and_channel_keys():
     _assert_same(vp, vr, "V next to channel K")
 
 
+class _LaunchSpy:
+    """Stands in for ``_quant16_kernel``: records (num_warps, BLOCK_R) of each launch and runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["num_warps"], kw["BLOCK_R"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_fast16_no_clip_warps0(monkeypatch):
+    """``warps0``: the warps of a fast16 launch where neither side clips (the default keeps 4), the row block
+    filling them; bit-exact; launches that clip keep their warps (one where a side takes the window)."""
+    spy = _LaunchSpy(qt._quant16_kernel)
+    monkeypatch.setattr(qt, "_quant16_kernel", spy)
+    x = _edge_rows(21, 2, 128, torch.bfloat16, seed=6)
+    for form, k_clip, v_clip, want in (((), 0.0, 1.0, (4, 64)), (("warps0=1",), 0.0, 1.0, (1, 16)),
+                                        (("fast16", "split=2", "code_thr64", "warps0=2"), 0.0, 0.0, (2, 32)),
+                                        (("warps0=2",), 0.96, 0.0, (1, 16))):
+        _round_trip(x, -x, k_clip, v_clip, form)
+        assert spy.seen[-1] == want, (form, spy.seen)
+
+
 # ------------------------------------------------------------------------------ windowed clip (win=1/2)
 @triton.jit
-def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr, TB: tl.constexpr,
+def _win_probe(x_ptr, tau_ptr, v1_ptr, nw_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr, TB: tl.constexpr,
                B: tl.constexpr, INTERP: tl.constexpr):
-    """tau of contiguous rows by :func:`_wtau_win`, and the window value its first window ends on (0: the
-    order statistic lies below it and a lower window resolved the row)."""
+    """tau of contiguous rows (``B`` per program) by :func:`_wtau_win`, the window value its first window ends
+    on (0: the order statistic lies below it and a lower window resolved the row) and the number of windows
+    the program's block ran."""
     HW: tl.constexpr = DQ // 2
     SW: tl.constexpr = HW // SPLIT
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-    rows = tl.arange(0, B)
+    rows = tl.program_id(0) * B + tl.arange(0, B)
     wc = tl.arange(0, SW)
     p = x_ptr.to(tl.pointer_type(tl.int32)) + (rows * (2 * DQ))[:, None] + wc[None, :]
     w0, w1, w2, w3 = tl.load(p), tl.load(p + HW), tl.load(p + 2 * HW), tl.load(p + 3 * HW)
@@ -246,7 +273,7 @@ def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr,
         w4, w5, w6, w7 = w0, w1, w2, w3
     lo = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, False, False, INTERP)
     hi = qt._wrange(w0, w1, w2, w3, w4, w5, w6, w7, SPLIT, BF16, True, False, INTERP)
-    tau = qt._wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, rows >= 0, DQ, SPLIT, BF16, TB, INTERP)
+    tau, nwin = qt._wtau_win(w0, w1, w2, w3, w4, w5, w6, w7, wc, lo, hi, n, rows >= 0, DQ, SPLIT, BF16, TB, INTERP)
     amax = tl.maximum(hi, -lo)
     if BF16:
         pmax = amax.to(tl.int32, bitcast=True) >> 16
@@ -256,6 +283,17 @@ def _win_probe(x_ptr, tau_ptr, v1_ptr, n, DQ: tl.constexpr, SPLIT: tl.constexpr,
     v1 = qt._wwin(w0, w1, w2, w3, w4, w5, w6, w7, wc, nb, n, DQ, SPLIT, TB, False, INTERP)
     tl.store(tau_ptr + rows, tau)
     tl.store(v1_ptr + rows, v1)
+    tl.store(nw_ptr + rows, v1 * 0 + nwin)
+
+
+def _run_win_probe(x, n, split, b):
+    """(tau, first-window value, windows run) of rows ``x`` [R, d] by :func:`_win_probe`, ``b`` rows a program."""
+    r, d = x.shape
+    tau, v1 = torch.empty(r, device=DEVICE), torch.empty(r, dtype=torch.int32, device=DEVICE)
+    nw = torch.empty(r, dtype=torch.int32, device=DEVICE)
+    _win_probe[(r // b,)](x.to(DEVICE), tau, v1, nw, n, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=b,
+                          INTERP=interpreting())
+    return tau.cpu(), v1.cpu(), nw.cpu()
 
 
 def _window_rows(d, dtype, r, g):
@@ -287,22 +325,96 @@ def test_window_clip_edges(d, dtype, split):
     g = torch.Generator().manual_seed(d)
     for r in (10, 5, 1):
         x, offs, vmax = _window_rows(d, dtype, r, g)
-        b = x.shape[0]
-        tau, v1 = torch.empty(b, device=DEVICE), torch.empty(b, dtype=torch.int32, device=DEVICE)
-        _win_probe[(1,)](x.to(DEVICE), tau, v1, r, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=b,
-                         INTERP=interpreting())
+        tau, v1, _ = _run_win_probe(x, r, split, x.shape[0])
         want = torch.kthvalue(x.float().abs(), d - r, dim=1).values
-        assert torch.equal(tau.cpu(), want), (r, offs, tau.cpu(), want)
+        assert torch.equal(tau, want), (r, offs, tau, want)
         first = torch.tensor([o <= vmax - 1 for o in offs])
-        assert torch.equal(v1.cpu() > 0, first), (r, offs, v1.cpu())
+        assert torch.equal(v1 > 0, first), (r, offs, v1)
     if dtype == torch.bfloat16:
         x = (torch.randn(64, d, generator=g) * torch.rand(64, 1, generator=g) * 10).to(dtype)
-        tau, v1 = torch.empty(64, device=DEVICE), torch.empty(64, dtype=torch.int32, device=DEVICE)
         n = d - 1 - int(0.92 * d)
-        _win_probe[(1,)](x.to(DEVICE), tau, v1, n, DQ=d // 4, SPLIT=split, TB=d.bit_length() - 1, B=64,
-                         INTERP=interpreting())
-        assert torch.equal(tau.cpu(), torch.kthvalue(x.float().abs(), d - n, dim=1).values)
-        assert bool((v1 > 0).all())
+        tau, v1, nw = _run_win_probe(x, n, split, 64)
+        assert torch.equal(tau, torch.kthvalue(x.float().abs(), d - n, dim=1).values)
+        assert bool((v1 > 0).all()) and bool((nw == 1).all())
+
+
+def _windows(p, n, vmax, jump):
+    """Windows :func:`_wtau_win` runs on one row (``p`` the bits of ``|x|``) for its ``(n+1)``-th largest
+    ``|x|``: the first ends at ``max p``, each lower one ``VMAX - 1`` steps further down (the old rule) or, with
+    ``jump``, one step above the row's largest ``p`` below the last window."""
+    t = int(p.sort(descending=True).values[n])
+    nb, k = vmax - int(p.max()), 1
+    while t + nb <= 0:  # the order statistic has window value 0: below this window
+        nb = vmax - 1 - int(p[p <= -nb].max()) if jump else nb + vmax - 1
+        k += 1
+    return k
+
+
+def _sparse_rows(d, n, vmax, sub, g):
+    """Bit patterns of ``|x|`` (int64, signs not yet set) of rows whose ``n + 1`` largest ``|x|`` span many
+    windows: fewer than ``n + 1`` nonzero values; one huge outlier over tiny values; ``n + 1`` values about
+    2.25 windows apart over tiny ones; a few normal values over subnormals (``p < sub``) and zeros; the order
+    statistic one and two steps below the bottom of the second window (``q - VMAX + 2``, ``q - VMAX + 1``,
+    ``q`` the largest ``p`` below the first); the order statistic at ``q`` itself."""
+    def rnd(a, b, k):  # k patterns in [a, b]
+        return torch.randint(a, b + 1, (k,), generator=g)
+    rows = [torch.cat([rnd(0x3000, 0x4000, n), torch.zeros(d - n, dtype=torch.long)]),
+            torch.cat([torch.tensor([0x7B00]), rnd(0x2000, 0x2400, d - 1)])]
+    step = 2 * vmax + vmax // 4
+    top = torch.tensor([0x7B00 - i * step for i in range(n + 1)])
+    rows.append(torch.cat([top, rnd(0, int(top[-1]) - 1, d - n - 1)]))
+    rows.append(torch.cat([torch.tensor([0x3C00]), rnd(0x3800, 0x3C00, n - 1), rnd(0, sub - 1, d - n - 4),
+                           torch.zeros(4, dtype=torch.long)]))
+    for o in (vmax - 2, vmax - 1):
+        rows.append(torch.cat([torch.tensor([0x7000]), torch.full((n - 1,), 0x4000), torch.tensor([0x4000 - o]),
+                               rnd(0, 0x4000 - o, d - n - 1)]))
+    rows.append(torch.cat([torch.tensor([0x7000]), rnd(0x7000 - vmax // 2, 0x7000, n - 1), torch.tensor([0x2000]),
+                           rnd(0, 0x2000, d - n - 1)]))
+    return [r[torch.randperm(d, generator=g)] for r in rows]
+
+
+def _signed(p, dtype, g):
+    """16-bit rows from bit patterns of ``|x|``, random signs (signed zeros too)."""
+    s = torch.randint(0, 2, p.shape, generator=g) << 15
+    return (p | s).to(torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("d,dtype,split,n,b", [(128, torch.bfloat16, 2, 5, 1), (128, torch.bfloat16, 2, 10, 8),
+                                                (64, torch.float16, 1, 10, 8)])
+def test_window_walk_jumps_empty_stretches(d, dtype, split, n, b):
+    """Rows whose order statistic lies many windows below max |x| (fewer than n + 1 nonzeros, a huge outlier,
+    values spanning many binades, subnormals, window edges) and a Gaussian row: tau is exact, every row but the
+    Gaussian one needs more than one window under the old rule (lower windows ``VMAX - 1`` steps apart: up to
+    44 here), and the walk runs the windows of the jump rule (the next window ends at the row's largest |x|
+    below the last): per row (``b = 1``, one row a program) or the most of the block's rows (``b = 8``)."""
+    g = torch.Generator().manual_seed(11 + n)
+    vmax = (1 << (16 - (d.bit_length() - 1))) - 1
+    pats = _sparse_rows(d, n, vmax, 0x80 if dtype == torch.bfloat16 else 0x400, g)
+    old = [_windows(p, n, vmax, False) for p in pats]
+    assert min(old) > 1 and max(old) > 20, old  # not vacuous: the old walk needed several windows for each
+    x = torch.stack([_signed(p, dtype, g) for p in pats] + [torch.randn(d, generator=g).to(dtype)])
+    new = [_windows(p, n, vmax, True) for p in x.view(torch.int16).to(torch.int64) & 0x7FFF]
+    assert new[-1] == 1 and max(new) <= n + 1 and sum(new) < sum(old), (new, old)
+    tau, _, nw = _run_win_probe(x, n, split, b)
+    assert torch.equal(tau, torch.kthvalue(x.float().abs(), d - n, dim=1).values), (n, tau)
+    if b > 1:
+        new = [max(new)] * len(new)
+    assert nw.tolist() == new, (n, nw.tolist(), new, old)
+
+
+def test_fast16_default_sparse_rows_bit_exact():
+    """The library default (fast16, windowed bfloat16 keys, one warp) on a row block that mixes Gaussian rows
+    with the rows of :func:`_sparse_rows` (K at 0.96: n = 5, V at 0.92: n = 10), bit-exact; each of those
+    rows would have needed more than one window under the old rule."""
+    g = torch.Generator().manual_seed(12)
+    d, n_rows = 128, 16  # one row block (16 rows at one warp); row 5 (n_rows // 3) is a padding row
+    x = (torch.randn(n_rows, HKV, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(n_rows, HKV, d, generator=g).to(torch.bfloat16)
+    for t, n, rows in ((x, 5, (1, 3, 6, 9, 12, 14, 15)), (v, 10, (0, 2, 4, 7, 10, 11, 13))):
+        for i, p in zip(rows, _sparse_rows(d, n, 511, 0x80, g)):
+            assert _windows(p, n, 511, False) > 1
+            t[i, i % HKV] = _signed(p, torch.bfloat16, g)
+    _round_trip(x, v, 0.96, 0.92, ())
 
 
 # ------------------------------------------------------------------------------- per-row threshold helpers
