@@ -120,6 +120,9 @@ VARIANTS_FAST = [
     ("w1x split=1", CLIP, ("warps=1", "split=1")),
     ("w1x prefetch=1", CLIP, ("warps=1", "prefetch=1")),
     ("w1x prefetch=1, bpp=4", CLIP, ("warps=1", "prefetch=1", "bpp=4")),
+] + [  # session 16 (not yet measured): the no-clip fast16 path at fewer warps (it keeps 4; clipped rows run 1)
+    ("w1x no clip, warps0=1", NOCLIP, ("warps0=1",)),
+    ("w1x no clip, warps0=2", NOCLIP, ("warps0=2",)),
 ]
 DEMOTE_VARIANTS = [("demote (gather), clip, default", ()), ("demote (gather), clip, f16 code_thr64", FAST),
                    ("demote (gather), clip, f16 split=2 code_thr64", FAST2),
