@@ -239,9 +239,14 @@ def bench_channel_write_extend(n: int, prefix: int, chunk: int) -> dict:
         q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
         kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
         vn = torch.randn_like(kn)
-        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16)  # noqa: E731
+        # the fused kernel (as in the sessions before 16: the channel/token comparison), and the default (the
+        # cuDNN fold since session 16; host lengths, so that it is the one captured)
+        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, fold="dequant")  # noqa
+        hl = (qlen.tolist(), len16.tolist())
+        fd = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, host_lengths=hl)  # noqa
         try:
             res[f"extend_{layout}_ms"] = timeit(fn, reps=10)
+            res[f"extend_{layout}_default_ms"] = timeit(fd, reps=10)
         except Exception as e:
             res[f"extend_{layout}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         torch.cuda.empty_cache()
