@@ -195,14 +195,22 @@ def dequant_workspace(k_pages: QuantPages, v_pages: QuantPages, block_table: Ten
     npad = max(unit, triton.cdiv(maxp * ps, unit) * unit)
     kw = torch.empty(B, hkv, npad, d, dtype=torch.float16, device=k_pages.codes.device)
     vw = torch.empty_like(kw)
-    interp = interpreting()
-    _dequant_ws_kernel[(npad // ps, B * hkv)](
+    dequant_pages_into(k_pages, v_pages, block_table, qlen, kw, vw, npad // ps)
+    return kw, vw
+
+
+def dequant_pages_into(k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor, kw: Tensor,
+                       vw: Tensor, npages: int, p0: int = 0) -> None:
+    """Launch :func:`_dequant_ws_kernel` for page slots ``[p0, p0 + npages)`` of every sequence of
+    ``block_table``: slot ``p0 + p`` into rows ``[p PS, (p+1) PS)`` of ``kw``/``vw`` ``[B, Hkv, rows, d]`` (any
+    16-bit dtype; rows past a sequence's ``qlen`` zeros)."""
+    fmt = k_pages.fmt
+    _dequant_ws_kernel[(npages, block_table.shape[0] * fmt.num_kv_heads)](
         k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale, v_pages.offset,
         *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1), block_table,
-        block_table.stride(0), qlen, kw, vw, kw.stride(0), kw.stride(1), kw.stride(2), hkv, 0,
-        D=d, PS=ps, ASM=not interp, KCH=fmt.channel, num_warps=4,
+        block_table.stride(0), qlen, kw, vw, kw.stride(0), kw.stride(1), kw.stride(2), fmt.num_kv_heads, p0,
+        D=fmt.head_dim, PS=fmt.page_size, ASM=not interpreting(), KCH=fmt.channel, num_warps=4,
     )
-    return kw, vw
 
 
 def _flash(q, k_new, v_new, kp, vp, lenp, k16, v16, len16, sm_scale, out, block_m, block_n, num_warps, num_stages,
@@ -275,4 +283,4 @@ def extend_attention_dense(
                   num_warps, num_stages, dense_stages, tma, maxnreg)
 
 
-__all__ = ["dequant_workspace", "extend_attention_dense"]
+__all__ = ["dequant_pages_into", "dequant_workspace", "extend_attention_dense"]

@@ -31,8 +31,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._triton_util import interpreting, pool_strides
-from .extend_dense import _dequant_ws_kernel
+from ._triton_util import interpreting
+from .extend_dense import dequant_pages_into
 from .layout import QuantPages
 
 SEGMENT_TOKENS = 32768
@@ -173,16 +173,12 @@ def extend_attention_sdpa(
         n2s, n16s = (list(map(int, x)) for x in host_lengths)
         if len(n2s) != B or len(n16s) != B:
             raise ValueError(f"host_lengths must hold {B} prefix and {B} tier lengths, got {len(n2s)}, {len(n16s)}")
-    wdt = _work_dtype(q.dtype)
-    if q.dtype == torch.float32:  # as the fused folds: 16-bit queries, prescaled so float16 holds the scale
-        q, sm_scale = (q * sm_scale).to(torch.float16), 1.0
-    q = q.to(wdt)
+    wdt = q.dtype  # 16-bit: the launcher has prescaled a float32 query to float16
     seg_pages = segment_tokens // ps
     maxp = block_table.shape[1]
     rows = min(seg_pages, maxp) * ps + max(n16s + [0])
     kw = torch.empty(1, hkv, rows, d, dtype=wdt, device=q.device)
     vw = torch.empty_like(kw)
-    interp = interpreting()
     # the chunk, causally, for every sequence at once (heads repeated for the GQA group)
     kc = k_new.transpose(1, 2).to(wdt).repeat_interleave(G, 1)
     vc = v_new.transpose(1, 2).to(wdt).repeat_interleave(G, 1)
@@ -196,38 +192,32 @@ def extend_attention_sdpa(
             _merge(chunk, None, out[b], osd, None, (0, 0, 0), T, hq, G, d)
             continue
         qg = q[b].view(T, hkv, G, d).transpose(0, 1).reshape(1, hkv, T * G, d)
-        acc = None
+        acc = None  # the prefix partial so far: a segment's own, or (from the second) a float32 running one
         npg = -(-n2 // ps)
-        starts = list(range(0, max(npg, 1), seg_pages))
-        for si, p0 in enumerate(starts):
+        for si, p0 in enumerate(range(0, max(npg, 1), seg_pages)):
             front = n16 if si == 0 else 0
             if front:
                 kw[0, :, :front].copy_(k16[b, :, :front])
                 vw[0, :, :front].copy_(v16[b, :, :front])
             npages = min(seg_pages, npg - p0)
             if npages > 0:
-                kv_, vv_ = kw[:, :, front:], vw[:, :, front:]
-                _dequant_ws_kernel[(npages, hkv)](
-                    k_pages.codes, k_pages.scale, k_pages.offset, v_pages.codes, v_pages.scale, v_pages.offset,
-                    *pool_strides(k_pages), v_pages.scale.stride(0), v_pages.scale.stride(1),
-                    block_table[b:b + 1], block_table.stride(0), qlen[b:b + 1], kv_, vv_, kv_.stride(0),
-                    kv_.stride(1), kv_.stride(2), hkv, p0, D=d, PS=ps, ASM=not interp, KCH=fmt.channel,
-                    num_warps=4)
+                dequant_pages_into(k_pages, v_pages, block_table[b:b + 1], qlen[b:b + 1], kw[:, :, front:],
+                                   vw[:, :, front:], npages, p0)
             nrow = front + max(0, min(npages * ps, n2 - p0 * ps))
             o, lse = _attend_lse(qg, kw[:, :, :nrow], vw[:, :, :nrow], sm_scale, False)
             part = (o, lse, *_folded(o, lse, G))
-            if si == len(starts) - 1:  # the last segment merges with the running partial, then the chunk
-                if acc is not None:
-                    _merge(acc, part, acc[0], acc[2], acc[1], acc[3], T, hq, G, d)
-                    part = acc
-                _merge(part, chunk, out[b], osd, None, (0, 0, 0), T, hq, G, d)
-            elif acc is None:  # a float32 running partial across segments (folded layout)
+            if acc is None:
+                acc = part
+                continue
+            if si == 1:  # the segment partials are 16-bit: merge into a float32 running partial (folded layout)
                 ao = torch.empty(1, hkv, T * G, d, dtype=torch.float32, device=q.device)
                 al = torch.empty(1, hkv, T * G, dtype=torch.float32, device=q.device)
-                acc = (ao, al, *_folded(ao, al, G))
-                _merge(part, None, ao, acc[2], al, acc[3], T, hq, G, d)
+                run = (ao, al, *_folded(ao, al, G))
             else:
-                _merge(acc, part, acc[0], acc[2], acc[1], acc[3], T, hq, G, d)
+                run = acc
+            _merge(acc, part, run[0], run[2], run[1], run[3], T, hq, G, d)
+            acc = run
+        _merge(acc, chunk, out[b], osd, None, (0, 0, 0), T, hq, G, d)
     return out
 
 

@@ -47,6 +47,8 @@ are in :mod:`oscarkv.kernels.extend_tiles`.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -63,9 +65,9 @@ UNPACKS = ("cat", "vcat", "fields")
 FOLDS = ("sdpa", "dequant", "factor", "workspace")
 RESCALES = ("always", "lazy")
 PMULS = ("f16", "f32")
-# the fused-kernel knobs' defaults (block_m, block_n, num_warps, num_stages, dense_stages, unpack, qnative, rescale,
-# pmul, maxnreg, pages_per_step, tma): fold=None picks "sdpa" only when none is set
-_FUSED_DEFAULTS = (64, 64, 4, None, 2, "cat", None, "always", "f16", 0, None, False)
+# the launcher keywords of the fused folds only: fold=None picks "sdpa" only when none differs from its default
+_FUSED_KNOBS = ("block_m", "block_n", "num_warps", "num_stages", "dense_stages", "unpack", "qnative", "rescale",
+                "pmul", "maxnreg", "pages_per_step", "tma")
 LAZY_TAU = 3.0  # log2 units: the running max is raised only when a row's max exceeds it by 2^3 (p <= 8)
 
 
@@ -483,6 +485,8 @@ def extend_attention_triton(
     workspace tiles through TMA descriptors: materialised, unlike the fused folds);
     ``unpack``/``rescale``/``qnative``/``pmul`` do not apply.
     """
+    given = locals()  # only the arguments so far
+    fused_knobs_set = any(given[k] != _FUSED_DEFAULTS[k] for k in _FUSED_KNOBS)
     B, T, hq, d = q.shape
     fmt = k_pages.fmt
     dev = q.device
@@ -506,13 +510,10 @@ def extend_attention_triton(
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     default_fold = fold is None
-    knobs = (block_m, block_n, num_warps, num_stages, dense_stages, unpack, qnative, rescale, pmul, maxnreg,
-             pages_per_step, tma)
     if default_fold:  # a fused-kernel knob set by the caller asks for the fused kernel
-        fold = "sdpa" if knobs == _FUSED_DEFAULTS and sdpa_supported(q, d, host_lengths is not None) else "dequant"
-    elif fold == "sdpa" and knobs != _FUSED_DEFAULTS:
-        raise ValueError("the fused-kernel knobs (block_m, block_n, num_warps, num_stages, dense_stages, unpack, "
-                         "qnative, rescale, pmul, maxnreg, pages_per_step, tma) do not apply to fold='sdpa'")
+        fold = "sdpa" if not fused_knobs_set and sdpa_supported(q, d, host_lengths is not None) else "dequant"
+    elif fold == "sdpa" and fused_knobs_set:
+        raise ValueError(f"the fused-kernel knobs ({', '.join(_FUSED_KNOBS)}) do not apply to fold='sdpa'")
     if unpack not in UNPACKS or rescale not in RESCALES or pmul not in PMULS or fold not in FOLDS:
         raise ValueError(f"unpack must be one of {UNPACKS}, rescale one of {RESCALES}, pmul one of {PMULS}, fold "
                          f"one of {FOLDS}; got {unpack!r}, {rescale!r}, {pmul!r}, {fold!r}")
@@ -580,6 +581,8 @@ def extend_attention_triton(
     )
     return out
 
+
+_FUSED_DEFAULTS = {k: inspect.signature(extend_attention_triton).parameters[k].default for k in _FUSED_KNOBS}
 
 __all__ = ["FOLDS", "PMULS", "RESCALES", "UNPACKS", "dequant_workspace", "extend_attention_dense",
            "extend_attention_triton"]
