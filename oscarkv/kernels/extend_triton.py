@@ -48,6 +48,7 @@ are in :mod:`oscarkv.kernels.extend_tiles`.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from torch import Tensor
@@ -552,7 +553,11 @@ def extend_attention_triton(
         except RuntimeError as e:  # cuDNN refused the shape or the device: the default falls back, once
             if not default_fold:
                 raise
-            mark_cudnn_broken(q, d, e)
+            if isinstance(e, torch.OutOfMemoryError):  # this call's memory, not cuDNN failing: not remembered
+                warnings.warn("extend: out of memory for the cuDNN fold's workspace; this call runs the fused "
+                              "kernel (fold='dequant'), which needs none", stacklevel=2)
+            else:
+                mark_cudnn_broken(q, d, e)
             fold = "dequant"
     if fold == "workspace":
         kw, vw = dequant_workspace(k_pages, v_pages, block_table, qlen, round_to=block_n)

@@ -122,7 +122,8 @@ def test_default_fold_off_cuda_is_the_fused_kernel():
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_default_fold_on_cuda_is_sdpa_and_falls_back(monkeypatch):
     """On a GPU with cuDNN attention the default is fold="sdpa"; when cuDNN fails, the default warns once and
-    runs the fused kernel (same result within the budget), while an explicit fold="sdpa" raises."""
+    runs the fused kernel (same result within the budget), while an explicit fold="sdpa" raises; out of memory,
+    it warns and runs the fused kernel for that call only."""
     case = CASES[0]
     q, kn, vn, (kp, vp, bt, ql, k16, v16, l16) = _inputs(case)
     assert sdpa_supported(q, case[3])
@@ -134,6 +135,17 @@ def test_default_fold_on_cuda_is_sdpa_and_falls_back(monkeypatch):
     ref = extend_attention_ref(q, kn, vn, kp, vp, bt, ql, k16, v16, l16, dtype=torch.float64)
     assert rel_err(extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16), ref) < BUDGET[case[-1]]
     assert calls, "the default did not take fold='sdpa'"
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("no memory for the workspace (test)")
+
+    monkeypatch.setattr(extend_sdpa, "_attend_lse", oom)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = extend_attention_triton(q, kn, vn, kp, vp, bt, ql, k16, v16, l16)
+    assert any("out of memory" in str(x.message) for x in w)
+    assert rel_err(out, ref) < BUDGET[case[-1]]
+    assert sdpa_supported(q, case[3])  # an out-of-memory call is not remembered against cuDNN
 
     def boom(*a, **k):
         raise RuntimeError("cuDNN refused (test)")
