@@ -887,8 +887,10 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
         k_win, v_win = _win_side(opt, kmode, k), _win_side(opt, vmode, v)
         if opt.get("warps_auto") and (k_win or v_win):  # the default: one warp per program where a side windows
             opt["warps"] = 1
-        elif opt["warps0"] and kmode == 0 and vmode == 0:  # asked for: the warps where neither side clips
-            opt["warps"] = opt["warps0"]
+        elif kmode == 0 and vmode == 0 and (opt["warps0"] or opt.get("warps_auto")):
+            # neither side clips: warps0 where asked for, else one warp (session 17, H200, bf16 K+V of 32768
+            # rows: 0.0557 ms at one warp against 0.0656 ms at four, kernels_probe --only w1x)
+            opt["warps"] = opt["warps0"] or 1
         if not any(x.startswith("block_r=") for x in variant):
             # one row spans d / (32 split) threads: fill the CTA without replication
             opt["block_r"] = min(256, max(16, 1024 * opt["warps"] * opt["split"] // d))
@@ -991,8 +993,8 @@ def quantize_write_triton(
     ``_quant16_kernel`` where :func:`fast16_ok` allows, the row kernel otherwise) with "split=" (1/2: a row over
     d/32 or d/64 threads), "hred=" (0/1: packed per-thread min/max reduction), "win=" (0: int32 clip keys, 1:
     windowed 16-bit keys for bfloat16 rows, the default, 2: also float16; top-down clips only), "regs=" (a
-    register cap per thread, 0 = none) and "warps0=" (warps per program where neither side clips, e.g. 1 like
-    the windowed default; 0, the default: ``warps``, 4 unless given).
+    register cap per thread, 0 = none) and "warps0=" (warps per program where neither side clips; 0, the default:
+    one warp unless "warps=" is given, then that).
     Rotations of token-page rows are applied in torch float32 (``(x - mean) @ R``) before the row kernel; keys
     in channel pages get theirs fused (``tf32x3`` dot) into the channel-page kernel.
 
