@@ -114,9 +114,14 @@ def timed_generate(engine, prompts: list, sp) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     window_start = window_end = None
+    step_s: list[float] = []  # every step's wall time, until all sequences decode (where the prefill phase goes)
+    last = t0
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
+        if window_start is None:
+            step_s.append(now - last)
+        last = now
         for o in outs:
             tokens[o.request_id] = len(o.outputs[0].token_ids)  # cumulative output kind
         done = sum(tokens.values())
@@ -131,6 +136,7 @@ def timed_generate(engine, prompts: list, sp) -> dict:
                                                                                + new) / wall}
     if window_start is not None:
         res["prefill_phase_s"] = window_start[0] - t0
+        res["prefill_phase_step_s"] = [round(x, 4) for x in step_s]
     if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
         steps_tok = window_end[1] - window_start[1]
         dt = window_end[0] - window_start[0]

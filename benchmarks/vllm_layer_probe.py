@@ -136,6 +136,15 @@ def main() -> None:
     torch.cuda.synchronize()
     res["prefill_chunk"] = {"tokens": n, "quant_step_ms": min(times), "sdpa_alone_ms": (time.perf_counter() - t0) * 1e3}
     print("prefill", json.dumps(res["prefill_chunk"]), flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        quant_step(qk, kk, vk, pages, pools1, p, pm)
+        torch.cuda.synchronize()
+    res["prefill_chunk"]["profile_gpu_top"] = prof.key_averages().table(sort_by="self_device_time_total",
+                                                                        row_limit=15)
+    print(res["prefill_chunk"]["profile_gpu_top"])
+    res["mixed"] = mixed_steps(a, tiers, pages, pools, p, bt, keys, slot_map, n, H, d, blk, dev)
     m.plan = plan
     import cProfile
     import io
@@ -166,6 +175,50 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _triton_cache_entries() -> int:
+    import os
+
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return len(os.listdir(root)) if os.path.isdir(root) else -1
+
+
+def mixed_steps(a, tiers, pages, pools, p, bt, keys, slot_map, n, H, d, blk, dev) -> dict:
+    """Steps as a vLLM prefill phase makes them: one fresh ``n``-token prompt plus ``k`` decode rows (sequences
+    at ``n`` tokens), per layer: the first call of each ``k`` (kernel builds included; Triton cache entries
+    added) and the best of 3 after it."""
+    out = {}
+    for k in sorted({1, min(8, a.batch - 1), a.batch - 1}):
+        slots = WindowSlots(k + 1)
+        slots.assign(keys[:k], fresh=np.ones(k, dtype=bool))
+        qsl = np.concatenate([np.arange(k + 1), [k + n]]).astype(np.int64)
+        seq = np.array([n + 1] * k + [n], dtype=np.int64)
+        pos = torch.arange(n, device=dev)
+        smap = torch.cat([slot_map[:k], bt[k, pos // blk].long() * blk + pos % blk]).contiguous()
+        T = k + n
+        q = torch.randn(T, a.hq, d, device=dev, dtype=torch.bfloat16)
+        kk, vv = (torch.randn(T, H, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        pl = tuple(x[:k + 2].clone() for x in pools)
+        times, first, added = [], None, 0
+        for i in range(4):
+            slots.key_of_slot[k] = -1  # the prompt's slot fresh again
+            slots.slot_of_key.pop(int(keys[k]), None)
+            m = build_step(tiers, slots, k + 1, qsl, seq, keys[:k + 1], bt[:k + 1], smap, blk)
+            m.plan = decode_plan(None, m, lambda w: DecodePlan(k, a.hq, H, d, blk, w, tiers.rows16, device=dev))
+            c0 = _triton_cache_entries()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            quant_step(q, kk, vv, pages, pl, p, m)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) * 1e3
+            if i == 0:
+                first, added = dt, _triton_cache_entries() - c0
+            else:
+                times.append(dt)
+        out[str(k)] = {"first_ms": first, "triton_cache_entries_added": added, "best_ms": min(times)}
+        print("mixed", k, json.dumps(out[str(k)]), flush=True)
+    return out
 
 
 if __name__ == "__main__":
