@@ -97,10 +97,11 @@ def child(spec: dict) -> None:
         n = max(1, min(spec["max_num_seqs"], cap // (ctx + new + cc.block_size)))  # as many as fit at once
         prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()} for _ in range(n)]
         sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
-        # warm-up: steps that mix one prompt with 0..8 decode rows, then decode-only batches of 8..1, so that
-        # one-time costs (kernel builds, the first call of a step shape: 1.7 s each in vllm_layer_probe.py's
-        # mixed steps, session 17) stay out of the timed phases
-        llm.generate(prompts[:9], SamplingParams(max_tokens=10, detokenize=False, ignore_eos=True), use_tqdm=False)
+        # warm-up: steps that mix one prompt with 0..9 decode rows, then decode-only batches of 9..1, so that the
+        # CUDA decode kernel's first-use builds (one cubin per variant and part: one sequence, up to 64 (sequence,
+        # KV head) pairs in one fused launch, more in two; ~1.7 s each in vllm_layer_probe.py's mixed steps,
+        # session 17) stay out of the timed phases
+        llm.generate(prompts[:10], SamplingParams(max_tokens=12, detokenize=False, ignore_eos=True), use_tqdm=False)
         out.update(num_seqs=n, context=ctx, gen=new, **timed_generate(llm.llm_engine, prompts, sp))
     print("RESULT " + json.dumps(out), flush=True)
 
