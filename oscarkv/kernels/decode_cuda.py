@@ -73,6 +73,7 @@ VARIANTS = {"subn": "SUBN_", "lazy": "LAZY_", "l2pf": "L2PF_", "cpa": ("CPA_", 2
 DEFAULT_VARIANT = "subn+lazy+cpa"
 DEFAULT_VARIANT_FEW = "subn+lazy+l2pf"  # at most FEW_UNITS (sequence, KV head) pairs
 FEW_UNITS = 8
+FUSED_UNITS = 64  # at most this many (sequence, KV head) pairs: both tiers in one launch by default
 VARIANT_ENV = "OSCARKV_CUDA_DECODE_VARIANT"  # overrides the defaults of ``variant=None``; "none" = no variant
 
 
@@ -274,6 +275,59 @@ def _cpa_aligned(k_pages: QuantPages, v_pages: QuantPages) -> bool:
     return True
 
 
+def _launch_variant(variant: str | None, units: int, pdl: bool, k_pages: QuantPages | None = None,
+                    v_pages: QuantPages | None = None) -> str:
+    """The variant a launch for ``units`` (sequence, KV head) pairs compiles (see :func:`decode_attention_cuda`):
+    the default or ``variant``, with PDL's names, less what the pools cannot take (raises for an explicit
+    ``variant``). Without pools: pools with page strides below 4 GiB and 16-byte aligned pages."""
+    explicit = variant is not None
+    variant = _resolve_variant(variant, units)
+    if pdl:  # with the default's l2pf, also "early": its prefetch then runs before the wait, during the kernel before
+        names = [*_variant_names(variant), "pdl", "pdlw"]
+        if not explicit and "l2pf" in names:
+            names.append("early")
+        variant = "+".join(dict.fromkeys(names))
+    flags = _variant_flags(variant)
+    big = k_pages is not None and max(k_pages.codes.stride(0),
+                                      k_pages.scale.stride(0) * k_pages.scale.element_size()) >= 2**32
+    drop = []
+    if flags["L2PF_"] and big:
+        drop.append(("l2pf/early", "page strides below 4 GiB"))
+    if flags["CPA_"] and (big or (k_pages is not None and not _cpa_aligned(k_pages, v_pages))):
+        drop.append(("cpa/cpa3", "page strides below 4 GiB and 16-byte aligned code and metadata pages"))
+    if drop:
+        if explicit:
+            raise ValueError("; ".join(f"variant '{n}' needs {why}" for n, why in drop))
+        gone = {x for n, _ in drop for x in n.split("/")}  # the default / environment drops them
+        variant = "+".join(v for v in _variant_names(variant) if v not in gone) or "none"
+    return variant
+
+
+def prebuild(fmt: PageFormat, num_q_heads: int, q_dtype: torch.dtype, dtype16: torch.dtype, max_batch: int, *,
+             pdl: bool = False, workers: int | None = None) -> list[Path]:
+    """Build (or find in the cache) every cubin the default launches of 1..``max_batch`` sequences can load:
+    each variant (one sequence's few pairs, the rest) and launch shape (both tiers in one launch up to
+    :data:`FUSED_UNITS` pairs, one per tier above), in parallel. A launch builds its cubin on first use, ~1.7 s of
+    nvcc each on the H200 machine (session 17), so a server calls this at start instead of stalling its first
+    requests. Returns the cubins' paths; none where the CUDA kernel does not serve these shapes."""
+    g = num_q_heads // fmt.num_kv_heads
+    if g > 8 or not supported(fmt, dtype16, q_dtype):
+        return []
+    keys: dict[tuple, None] = {}
+    for b in range(1, max_batch + 1):
+        units = b * fmt.num_kv_heads
+        variant = _launch_variant(None, units, pdl)
+        for part in ((0,) if units <= FUSED_UNITS else (1, 2)):
+            keys[config_key(fmt.head_dim, g, fmt.page_size, q_dtype, dtype16, fmt.meta_dtype, part,
+                            variant=variant)] = None
+        if units > max(FEW_UNITS, FUSED_UNITS):  # larger batches pick the same configurations
+            break
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers or min(len(keys), os.cpu_count() or 4)) as pool:
+        return list(pool.map(build, keys))  # nvcc runs in subprocesses: threads suffice
+
+
 def decode_attention_cuda(
     q: Tensor, k_pages: QuantPages, v_pages: QuantPages, block_table: Tensor, qlen: Tensor,
     k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float | None = None, *,
@@ -301,25 +355,7 @@ def decode_attention_cuda(
     e2e_h200.md session 15; without PDL, in the kernel benchmark, it measured within 2%)."""
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
-    explicit = variant is not None
-    variant = _resolve_variant(variant, q.shape[0] * k_pages.fmt.num_kv_heads)
-    if pdl:  # with the default's l2pf, also "early": its prefetch then runs before the wait, during the kernel before
-        names = [*_variant_names(variant), "pdl", "pdlw"]
-        if not explicit and "l2pf" in names:
-            names.append("early")
-        variant = "+".join(dict.fromkeys(names))
-    flags = _variant_flags(variant)
-    big = max(k_pages.codes.stride(0), k_pages.scale.stride(0) * k_pages.scale.element_size()) >= 2**32
-    drop = []
-    if flags["L2PF_"] and big:
-        drop.append(("l2pf/early", "page strides below 4 GiB"))
-    if flags["CPA_"] and (big or not _cpa_aligned(k_pages, v_pages)):
-        drop.append(("cpa/cpa3", "page strides below 4 GiB and 16-byte aligned code and metadata pages"))
-    if drop:
-        if explicit:
-            raise ValueError("; ".join(f"variant '{n}' needs {why}" for n, why in drop))
-        gone = {x for n, _ in drop for x in n.split("/")}  # the default / environment drops them
-        variant = "+".join(v for v in _variant_names(variant) if v not in gone) or "none"
+    variant = _launch_variant(variant, q.shape[0] * k_pages.fmt.num_kv_heads, pdl, k_pages, v_pages)
     B, hq, d = q.shape
     fmt = k_pages.fmt
     g = hq // fmt.num_kv_heads
@@ -333,7 +369,7 @@ def decode_attention_cuda(
                           device=q.device)
     _validate(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
     if fused is None:
-        fused = B * fmt.num_kv_heads <= 64
+        fused = B * fmt.num_kv_heads <= FUSED_UNITS
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:
@@ -375,4 +411,4 @@ def decode_attention_cuda(
     return out
 
 
-__all__ = ["decode_attention_cuda", "supported", "build", "config_key", "nvcc"]
+__all__ = ["decode_attention_cuda", "supported", "build", "prebuild", "config_key", "nvcc"]

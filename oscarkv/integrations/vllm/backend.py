@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...kernels.plan import DecodePlan
-from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, quant_step
+from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, prebuild_decode_kernels, quant_step
 from .graphs import LayerGraphs, SharedInputs, StaticDecode
 from .options import OscarOptions, OscarVllmError
 from .runtime import layer_params, local_kv_heads, runtime
@@ -122,6 +122,10 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self._plan: DecodePlan | None = None
         self._static_decode: StaticDecode | None = None
+        if self.device.type == "cuda" and self.rt.quantized and self.rt.windows:  # decode rows take the decode kernel
+            prebuild_decode_kernels(self.rt.page_format(self.num_kv_heads, self.block_size), self.num_q_heads,
+                                    vllm_config.model_config.dtype, self.rt.window_dtype, self.max_seqs,
+                                    logger.warning)
 
     def _new_plan(self, width: int) -> DecodePlan:
         """A decode plan for this rank's heads, every sequence slot and block tables ``width`` pages wide."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oscarkv.integrations.vllm.core import (LayerParams, build_step, carve, causal_self_attention, decode_plan,
-                                           dense_step, page_bytes, quant_step)
+                                           dense_step, page_bytes, prebuild_decode_kernels, quant_step)
 from oscarkv.integrations.vllm.options import Tiering
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
@@ -248,3 +248,21 @@ def test_padded_decode_steps_equal_unpadded():
     for batch in steps:
         got, expected = sim.step(batch)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_prebuild_decode_kernels_reports_and_never_raises(monkeypatch):
+    """At start the plugin builds the CUDA decode cubins for every batch up to max_seqs; a failed build warns
+    (the kernel then builds on first use) instead of stopping the server."""
+    from oscarkv.kernels import decode_cuda
+
+    fmt, seen, warned = PageFormat(8, 128, page_size=64), [], []
+    monkeypatch.setattr(decode_cuda, "prebuild", lambda *a, **k: seen.append((a, k)) or ["a", "b", "c", "d"])
+    assert prebuild_decode_kernels(fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 4
+    assert seen == [((fmt, 16, torch.bfloat16, torch.bfloat16, 34), {})] and warned == []
+
+    def fail(*a, **k):
+        raise RuntimeError("nvcc failed (sm_90)")
+
+    monkeypatch.setattr(decode_cuda, "prebuild", fail)
+    assert prebuild_decode_kernels(fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 0
+    assert len(warned) == 1 and "nvcc failed" in warned[0] and "first use" in warned[0]
