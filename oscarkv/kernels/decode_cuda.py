@@ -322,6 +322,8 @@ def prebuild(fmt: PageFormat, num_q_heads: int, q_dtype: torch.dtype, dtype16: t
                             variant=variant)] = None
         if units > max(FEW_UNITS, FUSED_UNITS):  # larger batches pick the same configurations
             break
+    if not keys:
+        return []
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or min(len(keys), os.cpu_count() or 4)) as pool:

@@ -57,4 +57,5 @@ def test_prebuild_stops_at_the_batches_that_change_nothing(no_gpu):
 def test_prebuild_builds_nothing_for_shapes_the_triton_kernel_serves(no_gpu):
     built, _ = no_gpu
     assert dc.prebuild(PageFormat(2, 128, page_size=64), 32, torch.bfloat16, torch.bfloat16, 8) == []  # g = 16
+    assert dc.prebuild(PageFormat(8, 128, page_size=64), 32, torch.bfloat16, torch.bfloat16, 0) == []  # no batch
     assert built == []
