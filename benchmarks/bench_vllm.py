@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per sequence")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
                     help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per prompt)")
-    ap.add_argument("--deadline", type=float, default=200.0, help="seconds for the whole run")
+    ap.add_argument("--deadline", type=float, default=260.0, help="seconds for the whole run")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))
