@@ -1,12 +1,20 @@
 """Premise probe of the cuDNN extend fold (session 16, H200): cuDNN SDPA with its log-sum-exp over GQA-folded
 query rows, per prefix segment (32K/16K/8K), the causal chunk, the log-sum-exp base (natural, checked against
 float32 math) and a torch merge, in bfloat16 and float16 (`float16` folded 32K: 1.654 vs bfloat16 1.592 ms).
+Eager calls, cold L2, median (``bench_kernels.timeit(graph=False)``; `docs/results/sdpa_lse_probe_h200.json` was
+measured at b61d1df with this script's own copy of that timer, three warm-up calls instead of one).
 
     python3 benchmarks/sdpa_lse_probe.py   # writes $OUT/probe_sdpa.json (or ./probe_sdpa.json)
 """
-import json, os, sys, time
+import json
+import os
+import sys
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import timeit as _timeit  # noqa: E402
 
 HQ, HKV, D, T, P = 32, 8, 128, 2048, 32768
 G = HQ // HKV
@@ -14,20 +22,8 @@ dev = "cuda"
 torch.manual_seed(0)
 
 
-def timeit(fn, reps=20, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    ts = []
-    for i in range(reps):
-        flush.zero_()
-        st[i].record(); fn(); en[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(st, en))
-    return ts[len(ts) // 2]
+def timeit(fn, reps=20):
+    return _timeit(fn, reps=reps, graph=False)
 
 
 res = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
