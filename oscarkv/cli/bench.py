@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--throughput-context", type=int, default=131072)
     p.add_argument("--budget-gb", type=float, default=90.0, help="KV budget for the throughput sweep (GiB)")
     p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the latency suite's LLM(max_model_len=...) (default: each context + 64, so the pool's block "
+                        "table fits the context); a larger bound measures a server made for longer sequences")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--gemv", default="auto", choices=("auto", "cublas", "triton"),
                    help="decode GEMV of the engine (LLM(gemv=...)) in the timed suites")
@@ -106,8 +109,10 @@ def provenance() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- set-up
-def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto", pdl: bool = False):
-    """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens."""
+def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto", pdl: bool = False,
+          max_model_len: int | None = None):
+    """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens; ``max_model_len``
+    (default: that length) sets the block table's width, i.e. the bound the decode plans for."""
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
     from oscarkv.engine import LLM
@@ -124,7 +129,8 @@ def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: s
     if kv == "oscar":
         spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
         calib = Calibration.identity(identity_of(cfg), spec, clip=0.96)
-    return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=n_seqs, max_model_len=n,
+    return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=n_seqs,
+               max_model_len=max(n, max_model_len or 0),
                monitor_every=0, gemv=gemv, pdl=pdl)
 
 
@@ -215,7 +221,7 @@ def _variants(pdls) -> list[tuple[bool, str]]:
 
 
 def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto",
-            pdls: tuple = (False,), on_row=None) -> list[dict]:
+            pdls: tuple = (False,), on_row=None, max_model_len: int | None = None) -> list[dict]:
     """Batch-1 step per context, cache and variant; ``on_row(rows)`` after each row (partial results). A row
     that fails (several variants) is recorded with its error and the others go on."""
     rows = []
@@ -226,7 +232,7 @@ def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto",
                 llm = None
                 try:
                     with gemv_set(model, gset):
-                        llm = build(model, kv, 1, ctx, gemv=gemv, pdl=pdl)
+                        llm = build(model, kv, 1, ctx, gemv=gemv, pdl=pdl, max_model_len=max_model_len)
                         seqs = fill_random(llm, 1, ctx)
                         r = time_decode(llm, seqs, replays)
                 except Exception as e:  # noqa: BLE001
@@ -248,6 +254,7 @@ def latency(model, contexts: list[int], replays: int, log, gemv: str = "auto",
                     continue
                 floor = (wbytes + kv_read_bytes(llm, ctx)) / PEAK_BW * 1e3
                 r.update(kv=kv, context=ctx, pdl=pdl, gemv_set=gset, variant=variant_name(pdl, gset),
+                         max_model_len=llm.engine.max_model_len,
                          floor_ms=floor, ratio_to_floor=r["graph_ms"] / floor, kv_bytes_read=kv_read_bytes(llm, ctx),
                          weight_bytes=wbytes)
                 rows.append(r)
@@ -310,6 +317,7 @@ def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str =
                     llm = build(model, kv, bs, ctx, gemv=gemv, pdl=pdl)
                     r = time_decode(llm, fill_random(llm, bs, ctx), replays)
                 r.update(kv=kv, context=ctx, pdl=pdl, gemv_set=gset, variant=variant_name(pdl, gset),
+                         max_model_len=llm.engine.max_model_len,
                          budget_gb=budget_gb, max_batch_in_budget=top, tokens_per_s=bs / r["graph_ms"] * 1e3)
                 rows.append(r)
                 log(f"  throughput {kv:5s} ctx {ctx} bs {bs:>3d} pdl {r['variant']:11s}: "
@@ -419,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
     bad = suites - {"memory", "latency", "throughput"}
     if bad:
         raise SystemExit(f"--suites: unknown {sorted(bad)} (memory, latency, throughput)")
-    res: dict = {"provenance": provenance(), "gemv": args.gemv, "pdl": [variant_name(*v) for v in pdls],
+    res: dict = {"provenance": provenance(), "gemv": args.gemv, "max_model_len": args.max_model_len,
+                 "pdl": [variant_name(*v) for v in pdls],
                  "note": "random weights; long "
                  "contexts filled with random K/V, not prefilled; decode timed as CUDA-graph replays",
                  "peak_bw": PEAK_BW, "models": {}}
@@ -450,7 +459,8 @@ def run(args: argparse.Namespace) -> int:
                 res["models"][name] = {**entry, "latency": rows}
                 with open(args.out, "w") as f:
                     json.dump(res, f, indent=1)
-            entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log, args.gemv, pdls, dump)
+            entry["latency"] = guarded("latency", latency, model, ctxs, args.replays, log, args.gemv, pdls, dump,
+                                        args.max_model_len)
             if isinstance(entry["latency"], list):
                 table = latency_table(entry["latency"])
                 entry["latency_table"] = table

@@ -204,7 +204,9 @@ def qk_prep(qkv, hq, hkv, d, cos, sin, qn, kn, eps, r_k=None, mu_k=None, out=Non
 def _paged_decode_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, sm_scale, s_bt, s_kv2, s_kvp, s_kvh,
                          PPS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          P: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Split-K over pages: program (split, b * HKV + h) covers pages [split * PPS, (split + 1) * PPS)."""
+    """Split-K over pages: program (split, b * HKV + h) covers pages [split * pps, (split + 1) * pps) of sequence
+    b, with pps its own pages over the NSPLIT splits (at most PPS, the grid's bound): a sequence shorter than the
+    bound the grid was made for (a captured graph's max_len) still spreads over every split."""
     _pdl_enter(PDL)
     sp = tl.program_id(0)
     bh = tl.program_id(1)
@@ -219,8 +221,9 @@ def _paged_decode_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, sm_scal
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     toks = tl.arange(0, P)
-    for i in range(PPS):
-        pg = sp * PPS + i
+    pps = tl.minimum(tl.cdiv(tl.cdiv(n, P), NSPLIT), PPS)
+    for i in range(pps):
+        pg = sp * pps + i
         if pg * P < n:
             page = tl.load(bt_ptr + b * s_bt + pg).to(tl.int64)
             base = kv_ptr + page * s_kvp + h * s_kvh + toks[:, None] * D + cols[None, :]

@@ -213,7 +213,8 @@ _P_FIELDS = ([(n, ctypes.c_uint64) for n in "q kc vc ks ko vs vo bt qlen k16 v16
                                                "sl_b sl_h hkv tok_per_split num_qsplits tok16_per_split").split()]
              + [("sm_scale_log2", ctypes.c_double), ("magic", ctypes.c_int64)]
              + [(n, ctypes.c_uint64) for n in ("counters", "out")]
-             + [(n, ctypes.c_int64) for n in ("merge_splits", "sout_b", "sout_h", "out_dtype")])
+             + [(n, ctypes.c_int64) for n in ("merge_splits", "sout_b", "sout_h", "out_dtype", "gran_pages",
+                                               "least_pages")])
 _Params = _struct("_Params", _P_FIELDS)
 _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
     (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
@@ -389,8 +390,7 @@ def decode_attention_cuda(
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), fmt.num_kv_heads,
         plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split, scale, 0x64006400,
         plan.counters.data_ptr() if merge == "fused" else 0, out.data_ptr(), plan.num_splits if merge == "fused" else 0,
-        out.stride(0),
-        out.stride(1), _DT[out.dtype],
+        out.stride(0), out.stride(1), _DT[out.dtype], *plan.split_granule,
     )
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(q.device).cuda_stream

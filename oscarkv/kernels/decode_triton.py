@@ -272,7 +272,7 @@ def _decode_split_kernel(
     q_ptr, sqb, sqh, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_cp, s_ch, s_kmp, s_kmh, s_mp, s_mh,
     bt_ptr, s_bt,
     qlen_ptr, k16_ptr, v16_ptr, s16b, s16h, s16t, len16_ptr, o_ptr, lse_ptr, s_ob, s_oh, s_os, s_lb, s_lh,
-    HKV, sm_scale, tok_per_split, num_qsplits, tok16_per_split,
+    HKV, sm_scale, max_pps, num_qsplits, tok16_per_split, gran_pages, least_pages,
     G: tl.constexpr, GP: tl.constexpr, GP16: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_16: tl.constexpr, MMA: tl.constexpr, ASM: tl.constexpr,
     QSPLIT: tl.constexpr, KCH: tl.constexpr,
@@ -284,6 +284,9 @@ def _decode_split_kernel(
     if split < num_qsplits:
         gi = tl.arange(0, GP)
         ntok = tl.load(qlen_ptr + b)
+        # this sequence's own split length (DecodePlan.split_tokens): its pages over all num_qsplits splits
+        want = tl.cdiv(tl.cdiv(ntok, PS), num_qsplits)
+        tok_per_split = tl.minimum(tl.maximum(tl.cdiv(want, gran_pages) * gran_pages, least_pages), max_pps) * PS
         lo = split * tok_per_split
         hi = tl.minimum(lo + tok_per_split, ntok)
         m_i, l_i, osum, a0, a1, a2, a3 = _decode_2bit(
@@ -428,7 +431,7 @@ def decode_attention_triton(
         block_table, block_table.stride(0), qlen, k16, v16, k16.stride(0),
         k16.stride(1), k16.stride(2), len16, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
         lse.stride(1), fmt.num_kv_heads, float(d**-0.5 if sm_scale is None else sm_scale),
-        plan.pages_per_split * fmt.page_size, plan.num_qsplits, plan.tokens16_per_split,
+        plan.pages_per_split, plan.num_qsplits, plan.tokens16_per_split, *plan.split_granule,
         G=g, GP=gp, GP16=max(16, next_pow2(g)), D=d, DP=next_pow2(d), PS=fmt.page_size, BLOCK_N=plan.block_n,
         BLOCK_16=32, MMA=mma, ASM=asm, QSPLIT=qsplit, KCH=kch, num_warps=nw, num_stages=num_stages, **cap,
     )

@@ -4,9 +4,15 @@ Plan once per decode step (host integers only, no device synchronisation), run t
 The workspace is sized for the largest batch and context at construction, so a plan can be captured inside a
 CUDA graph: a replay reads sequence lengths and block tables from device memory, never from the host.
 
-Splits of one (sequence, KV head): ``num_qsplits`` ranges of ``pages_per_split`` 2-bit pages, then
-``num_splits16`` ranges of ``tokens16_per_split`` 16-bit-tier tokens. Each writes a partial output normalised
-by its own softmax sum and its log-sum-exp (base 2); one merge kernel combines them.
+Splits of one (sequence, KV head): ``num_qsplits`` ranges of 2-bit pages, then ``num_splits16`` ranges of
+``tokens16_per_split`` 16-bit-tier tokens. Each writes a partial output normalised by its own softmax sum and its
+log-sum-exp (base 2); one merge kernel combines them.
+
+The split count is planned for the longest 2-bit tier the step may hold; the kernels then cut each sequence's
+own tier into that many ranges (:meth:`DecodePlan.split_tokens`: ``pages_per_split`` pages at most), so a
+sequence shorter than the plan's bound still spreads over every split. (A plan fixed at the block table's
+capacity, as in a CUDA graph, left a 32K sequence under a 128K bound on a quarter of the splits, each walking a
+128K sequence's pages.)
 """
 
 from __future__ import annotations
@@ -142,6 +148,27 @@ class DecodePlan:
         step = max(1, bn // ps)  # a split covers whole kernel iterations
         pps = math.ceil(pps / step) * step
         return pps, math.ceil(pages / pps)
+
+    @property
+    def split_granule(self) -> tuple[int, int]:
+        """(granule, least) in pages of the per-sequence split length (:meth:`split_tokens`): a split covers a
+        multiple of ``granule`` pages (whole kernel iterations; every warp the same count once a split has
+        ``warps_per_split`` pages) and at least ``least`` of them (``min_pages_per_split`` rounded up)."""
+        step = max(1, self.block_n // self.page_size)
+        gran = math.lcm(step, self.warps_per_split) if self.pages_per_split >= self.warps_per_split else step
+        least = min(-(-self.min_pages_per_split // gran) * gran, self.pages_per_split)
+        return gran, least
+
+    def split_tokens(self, n_tokens: int) -> int:
+        """2-bit tokens per split for a sequence whose 2-bit tier holds ``n_tokens``: its pages spread over the
+        ``num_qsplits`` splits, in whole granules, at least the least split, at most ``pages_per_split`` pages
+        (the bound the plan was made for). Split ``s`` covers ``[s t, min(n, (s + 1) t))``; the kernels compute
+        the same from the sequence's length on the device (the host reference of that arithmetic)."""
+        gran, least = self.split_granule
+        pages = -(-int(n_tokens) // self.page_size)
+        want = -(-pages // self.num_qsplits)
+        pps = min(max(-(-want // gran) * gran, least), self.pages_per_split)
+        return pps * self.page_size
 
     def update(self, batch: int, max_tokens: int | None = None) -> "DecodePlan":
         """Set the split geometry for a step of ``batch`` sequences whose 2-bit tiers hold at most

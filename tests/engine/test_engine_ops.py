@@ -35,6 +35,12 @@ lens = torch.tensor([40, 17, 0], dtype=torch.int32)
 q = torch.randn(B, hq, d)
 got = triton_ops.paged_decode(q, kv, bt, lens, 0.25, max_len=64)
 torch.testing.assert_close(got, ops.paged_decode_torch(q, kv, bt, lens, 0.25), atol=1e-4, rtol=1e-4)
+# a block table (and grid) made for 256 tokens: each sequence spreads its own pages over the splits
+wide = torch.cat([bt, torch.zeros(B, 12, dtype=torch.int32)], 1)
+got = triton_ops.paged_decode(q, kv, wide, lens, 0.25, max_len=256)
+torch.testing.assert_close(got, ops.paged_decode_torch(q, kv, wide, lens, 0.25), atol=1e-4, rtol=1e-4)
+o, lse = next(w for k, w in triton_ops._WORK.items() if k[3] == 3)  # 3 splits of up to 6 pages
+assert bool((lse.view(B, hq, 3)[0] > -1e29).all())  # 3 pages of sequence 0: one per split, none idle
 print("OK")
 '''
 

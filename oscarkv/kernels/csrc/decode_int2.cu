@@ -133,7 +133,19 @@ struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is 
   // out, found through a per-(sequence, KV head) ticket counter that it resets to 0 for the next launch
   uint64_t counters, out;
   int64_t merge_splits, sout_b, sout_h, out_dtype;  // out_dtype: 0 f32, 1 f16, 2 bf16
+  // a sequence's 2-bit split length (split_tokens): granule and least split in pages; tok_per_split is the most
+  int64_t gran_pages, least_pages;
 };
+
+// 2-bit tokens per split of a sequence whose 2-bit tier holds n tokens (DecodePlan.split_tokens, the host
+// reference): its pages spread over all num_qsplits splits in whole granules, at least least_pages, at most the
+// plan's tok_per_split. So a sequence shorter than the plan's bound (a CUDA graph plans for the block table's
+// capacity) still uses every split instead of the first few.
+__device__ __forceinline__ int split_tokens(const Params& p, int n) {
+  const int nq = (int)p.num_qsplits, g = (int)p.gran_pages;
+  const int want = ((n + PS - 1) / PS + nq - 1) / nq;
+  return min(max((want + g - 1) / g * g, (int)p.least_pages), (int)p.tok_per_split / PS) * PS;
+}
 
 #if MT_ == 1
 typedef __half meta_t;
@@ -302,7 +314,8 @@ __device__ __forceinline__ void l2_prefetch_first_pages(const Params& p, int spl
                                                         int lane) {
 #if EARLY_
   const int n = __ldcg(reinterpret_cast<const int32_t*>(p.qlen) + b);
-  const int lo = split * (int)p.tok_per_split, hi = min(n, lo + (int)p.tok_per_split);
+  const int tps = split_tokens(p, n);
+  const int lo = split * tps, hi = min(n, lo + tps);
   const int p_end = (hi + PS - 1) / PS;
   const int pg = lo / PS + warp;
   if (lo >= hi || pg >= p_end) return;
@@ -990,8 +1003,9 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MINB_) oscar_decode_split(
   if (is2) {
 #if PART_ != 2
     const int n = reinterpret_cast<const int32_t*>(p.qlen)[b];
-    const int lo = split * (int)p.tok_per_split;
-    const int hi = min(n, lo + (int)p.tok_per_split);
+    const int tps = split_tokens(p, n);
+    const int lo = split * tps;
+    const int hi = min(n, lo + tps);
     run_2bit(p, st, osum, vref, b, h, lo, hi, warp, gid, tig);
 #endif
   } else {
