@@ -191,13 +191,23 @@ def quant_step(
     """
     if pools is not None and not m.prefills:
         return _decode_step(q, k, v, kv, pools, p, m, out)
-    quantize_write, decode_attention, extend_attention, _ = ops()
+    quantize_write, decode_attention, extend_attention, rotate_rows = ops()
     T, nd, act = m.num_tokens, m.num_decodes, q.dtype
     kp, vp = kv
-    qr = rotate_rows_ref(q, p.r_k).to(act)  # float32 products, as the kernel path's rotate_rows
-    kr, vr = rotate_rows_ref(k, p.r_k, p.mu_k), rotate_rows_ref(v, p.r_v, p.mu_v)
-    k16new, v16new = kr.to(p.dtype16), vr.to(p.dtype16)
-    kr, vr = kr.to(act), vr.to(act)  # the chunk's (or a window-less decode's) own K/V, unrounded
+    # one launch per tensor (float32 products, each written once in its dtype), as in _decode_step: no float32
+    # copy of the chunk, no casts
+    qr = torch.empty(q.shape, dtype=act, device=q.device)
+    rotate_rows(q, p.r_k, out=qr)  # q @ R_K, in the activation dtype
+    kr, vr = (torch.empty(x.shape, dtype=act, device=x.device) for x in (k, v))
+    if p.dtype16 == act:  # the rows to quantize (and the ring's) are the chunk's own K/V: one tensor each
+        rotate_rows(k, p.r_k, p.mu_k, out=kr)
+        rotate_rows(v, p.r_v, p.mu_v, out=vr)
+        k16new, v16new = kr, vr
+    else:  # the same float32 products rounded once to each dtype: act in out, dtype16 in rows_out (row n -> n)
+        k16new, v16new = (torch.empty(x.shape, dtype=p.dtype16, device=x.device) for x in (k, v))
+        ident = torch.arange(k.shape[0], device=k.device)
+        rotate_rows(k, p.r_k, p.mu_k, out=kr, rows_out=k16new, rows=ident)
+        rotate_rows(v, p.r_v, p.mu_v, out=vr, rows_out=v16new, rows=ident)
     H, d = k.shape[1], k.shape[2]
     empty16 = q.new_zeros(1, H, 1, d)
     pre16 = {}
@@ -230,8 +240,9 @@ def quant_step(
         extend_attention(qr[None, a:b], kr[None, a:b], vr[None, a:b], kp, vp, m.bt2[row:row + 1],
                          m.qlen[row:row + 1], k16, v16, m.len16[row:row + 1], p.sm_scale, out=attn[None, a:b],
                          host_lengths=hl)
-    res = unrotate_rows(attn, p)
-    return res if out is None else out.copy_(res)
+    if out is None:
+        out = torch.empty(attn.shape, dtype=torch.float32, device=q.device)
+    return rotate_rows(attn, p.r_v, p.mu_v, out=out, transpose=True, mean_after=True)  # unrotate_rows, into out
 
 
 def _decode_step(q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPages], pools: tuple[Tensor, Tensor],
