@@ -13,6 +13,7 @@ its binary). A deadline bounds the whole run; phases past it are recorded as ski
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -68,7 +69,7 @@ def child(spec: dict) -> None:
     kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
               gpu_memory_utilization=spec["util"], max_model_len=spec["max_model_len"], seed=0,
               enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1,
-              max_num_batched_tokens=spec["max_batched_tokens"])
+              max_num_batched_tokens=spec["max_batched_tokens"], disable_log_stats=False)
     if spec.get("oscar"):
         kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
     t0 = time.time()
@@ -106,6 +107,33 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+_DELTAS = {"prompt_tokens", "generation_tokens", "preemptions", "alloc_retries", "device_allocs"}  # counters, reported per step as differences
+_METRICS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens",
+            "vllm:num_preemptions": "preemptions", "vllm:num_requests_running": "running",
+            "vllm:num_requests_waiting": "waiting", "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def _counters(engine) -> dict:
+    """vLLM's scheduler counters and gauges now (empty where this vLLM does not report them), and this process's
+    CUDA caching allocator (where the model runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    import torch
+
+    out = {}
+    if torch.cuda.is_initialized():
+        st = torch.cuda.memory_stats()
+        out.update(alloc_retries=st.get("num_alloc_retries", 0), device_allocs=st.get("num_device_alloc", 0),
+                   reserved_gib=round(st.get("reserved_bytes.all.current", 0) / 2**30, 2))
+    try:
+        metrics = engine.get_metrics()
+    except Exception:  # noqa: BLE001 - stats off or another vLLM: the step times alone
+        return out
+    for m in metrics:
+        key = _METRICS.get(getattr(m, "name", ""))
+        if key is not None and isinstance(getattr(m, "value", None), (int, float)):
+            out[key] = out.get(key, 0) + m.value
+    return out
+
+
 def timed_generate(engine, prompts: list, sp) -> dict:
     """Run ``prompts`` through the engine's step loop and time its phases: the whole run (prefill included), and
     the steady decode window in which every sequence is decoding (from the step after which all have their first
@@ -119,12 +147,27 @@ def timed_generate(engine, prompts: list, sp) -> dict:
         engine.add_request(str(i), p, sp)
     window_start = window_end = None
     step_s: list[float] = []  # every step's wall time, until all sequences decode (where the prefill phase goes)
-    last = t0
+    step_info: list[dict] = []  # ... and what the step held (vLLM's own counters, where it reports them)
+    last, seen = t0, _counters(engine)
+    gc_s = [0.0, 0.0]  # this process's garbage collection: seconds so far, start of the one running
+
+    def gc_timer(phase, _info):
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+    gc.callbacks.append(gc_timer)
+    gc_seen = 0.0
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
         if window_start is None:
             step_s.append(now - last)
+            cur = _counters(engine)
+            step_info.append({"first_tokens": sum(1 for o in outs if len(o.outputs[0].token_ids) == 1),
+                              "gc_s": round(gc_s[0] - gc_seen, 4),
+                              **{k: cur[k] - seen.get(k, 0) if k in _DELTAS else cur[k] for k in cur}})
+            seen, gc_seen = cur, gc_s[0]
         last = now
         for o in outs:
             tokens[o.request_id] = len(o.outputs[0].token_ids)  # cumulative output kind
@@ -135,12 +178,14 @@ def timed_generate(engine, prompts: list, sp) -> dict:
             window_end = (now, done - sum(1 for o in outs if o.finished))  # tokens of steps before this one
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    gc.callbacks.remove(gc_timer)
     n, new = len(prompts), sp.max_tokens
     res = {"wall_s": wall, "output_tok_s": n * new / wall, "total_tok_s": n * (len(prompts[0]["prompt_token_ids"])
                                                                                + new) / wall}
     if window_start is not None:
         res["prefill_phase_s"] = window_start[0] - t0
         res["prefill_phase_step_s"] = [round(x, 4) for x in step_s]
+        res["prefill_phase_steps"] = step_info
     if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
         steps_tok = window_end[1] - window_start[1]
         dt = window_end[0] - window_start[0]
