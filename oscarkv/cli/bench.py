@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "an item may name a one-row GEMV set of triton_ops.GEMV_SETS, e.g. off,on,on:splitk1")
     p.add_argument("--suites", default="memory,latency,throughput",
                    help="comma-separated subset of memory, latency, throughput")
-    p.add_argument("--out", default="e2e.json", help="JSON results file")
+    p.add_argument("--out", default="e2e.json", help="JSON results file (PNG plots are written next to it)")
+    p.add_argument("--plot", metavar="JSON", default=None,
+                   help="only draw the plots of an existing results file, next to it (no GPU needed)")
 
 
 def parse_pdl(text: str) -> list[tuple[bool, str]]:
@@ -409,14 +411,37 @@ def run_checks(log) -> dict:
     return res
 
 
+def write_plots(res: dict, out: str, log) -> list:
+    """The result's plots next to ``out`` (``<stem>_latency.png`` etc.); a note instead where matplotlib (the
+    ``eval`` extra) is missing."""
+    from pathlib import Path
+
+    from .bench_plots import plot_results
+
+    path = Path(out)
+    try:
+        written = plot_results(res, path.parent, prefix=path.stem)
+    except ImportError as e:
+        log(f"no plots ({e}): pip install 'oscar-kv[eval]' for matplotlib")
+        return []
+    for w in written:
+        log(f"wrote {w}")
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.plot:
+        with open(args.plot) as f:
+            write_plots(json.load(f), args.plot, log)
+        return 0
     import torch
 
     from oscarkv.engine.model import PRESETS, random_model
 
     if not torch.cuda.is_available():
-        raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite)")
-    log = lambda s: print(s, flush=True)  # noqa: E731
+        raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite); "
+                         "--plot JSON redraws an earlier run's plots without one")
     pdls = tuple(args.pdl) if isinstance(args.pdl, list) else tuple(parse_pdl(str(args.pdl)))
     from oscarkv.engine import triton_ops
 
@@ -474,4 +499,5 @@ def run(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     log(f"wrote {args.out}")
+    write_plots(res, args.out, log)
     return 0
