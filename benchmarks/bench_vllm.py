@@ -107,7 +107,8 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-_DELTAS = {"prompt_tokens", "generation_tokens", "preemptions", "alloc_retries", "device_allocs"}  # counters, reported per step as differences
+# counters, reported per step as differences
+_DELTAS = {"prompt_tokens", "generation_tokens", "preemptions", "alloc_retries", "device_allocs"}
 _METRICS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens",
             "vllm:num_preemptions": "preemptions", "vllm:num_requests_running": "running",
             "vllm:num_requests_waiting": "waiting", "vllm:kv_cache_usage_perc": "kv_usage"}
@@ -253,7 +254,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per sequence")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
                     help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per prompt)")
-    ap.add_argument("--deadline", type=float, default=260.0, help="seconds for the whole run")
+    ap.add_argument("--deadline", type=float, default=400.0, help="seconds for the whole run")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))

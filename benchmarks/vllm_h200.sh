@@ -64,7 +64,7 @@ stage2|tp1|tp2)
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
   export PYTHONPATH=/tmp/site
   if [ "$1" = stage2 ]; then
-    python3 benchmarks/bench_vllm.py --out "${OUT:-.}/vllm_h200.json" --deadline "${DEADLINE:-260}"
+    python3 benchmarks/bench_vllm.py --out "${OUT:-.}/vllm_h200.json" --deadline "${DEADLINE:-400}"
   else
     python3 benchmarks/bench_vllm_tp.py --phase "$1" --out "${OUT:-.}/$1.json" --deadline "${DEADLINE:-500}" ${TP_ARGS:-}
   fi ;;
