@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -152,4 +153,15 @@ def slot_mapping(block_table: Tensor, positions: Tensor, seq_ids: Tensor, page_s
     return pages * page_size + (positions % page_size).long()
 
 
-__all__ = ["LAYOUTS", "PageFormat", "QuantPages", "slot_mapping"]
+class KVDest(NamedTuple):
+    """Where a decode step's new 16-bit K/V rows go in a pool (the fused QK preparation stores them there):
+    element ``i`` of head ``h`` of token ``t`` of side ``which`` (0 = K, 1 = V) is ``dst``'s element at offset
+    ``which * s_which + off[t] + h * s_head + i`` (``off`` int64 ``[N]``, computed once per step)."""
+
+    dst: Tensor
+    off: Tensor
+    s_which: int
+    s_head: int
+
+
+__all__ = ["LAYOUTS", "PageFormat", "QuantPages", "KVDest", "slot_mapping"]
