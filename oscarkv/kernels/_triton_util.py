@@ -44,15 +44,16 @@ def check_pool_strides(k_pages, v_pages, device: torch.device) -> None:
                          f"{k_pages.codes.shape[0]} and {v_pages.codes.shape[0]}")
 
 
-def check_kv_formats(k_pages, v_pages) -> None:
+def check_kv_formats(k_pages, v_pages, attention: bool = True) -> None:
     """K and V pools of one layer share heads, head_dim and page size (one slot addresses both); each has its own
-    bits and metadata dtype, keys their own layout; values are token pages; one scale/offset group per row."""
+    bits and metadata dtype, keys their own layout; values are token pages. ``attention``: also one
+    scale/offset group per row (the attention kernels' operands; the writers take any group size)."""
     fk, fv = k_pages.fmt, v_pages.fmt
     if fv.channel:
         raise ValueError("values are stored in token pages only; channel pages are a key format")
     if (fk.num_kv_heads, fk.head_dim, fk.page_size) != (fv.num_kv_heads, fv.head_dim, fv.page_size):
         raise ValueError(f"K and V pools must share num_kv_heads, head_dim and page_size: {fk} vs {fv}")
-    if fk.groups != 1 or fv.groups != 1:
+    if attention and (fk.groups != 1 or fv.groups != 1):
         raise ValueError(f"the kernels take one scale/offset group per row (group_size None or head_dim), got "
                          f"{fk.group_size} and {fv.group_size}: use backend='reference'")
 
@@ -67,9 +68,9 @@ def check_decode(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan) 
     if d != fmt.head_dim or hq % fmt.num_kv_heads:
         raise ValueError(f"q [B, Hq, d] = {tuple(q.shape)} does not fit the pages (d={fmt.head_dim}, "
                          f"Hkv={fmt.num_kv_heads})")
-    if d < 16 or d & (d - 1) or fmt.page_size < 16 or fmt.page_size & (fmt.page_size - 1):
-        raise ValueError(f"the decode kernels need head_dim and page_size powers of two >= 16, got {d} and "
-                         f"{fmt.page_size}: use backend='reference'")
+    if d < 16 or d & (d - 1) or fmt.page_size % 16:
+        raise ValueError(f"the decode kernels need head_dim a power of two >= 16 and page_size a multiple of 16, "
+                         f"got {d} and {fmt.page_size}: use backend='reference'")
     for name, t in (("block_table", block_table), ("qlen", qlen), ("len16", len16)):
         check_device(name, t, dev)
         if t.dtype != torch.int32:

@@ -8,9 +8,9 @@ block. Semantics, plan and workspace are those of :func:`oscarkv.kernels.decode_
 
 How a launch is compiled (all decided here from the call; nothing is configured from outside): the quantized
 tier's loop streams each warp's pages through two cp.async stages in shared memory, except for the 2-bit token
-formats at a few (sequence, KV head) pairs, where a one-chunk register prefetch plus an L2 prefetch of the next
-page is faster; both tiers run in one launch up to :data:`FUSED_UNITS` pairs, one launch per tier above; ``pdl``
-adds the programmatic-dependent-launch waits and signals.
+formats at a few (sequence, KV head) pairs, where a one-chunk register prefetch is faster; at a few pairs either
+loop also asks for pages ahead into L2; both tiers run in one launch up to :data:`FUSED_UNITS` pairs, one launch
+per tier above; ``pdl`` adds the programmatic-dependent-launch waits and signals.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def config_key(k_fmt: PageFormat, v_fmt: PageFormat, g: int, q_dtype: torch.dtyp
     """The compile-time defines of one launch (csrc/decode_common.cuh): formats, dtypes, ``part`` (0 both tiers,
     1 quantized only, 2 16-bit only) and the loop for ``units`` (sequence, KV head) pairs. ``cpa``: the pools
     take the cp.async stages (16-byte aligned pages; page strides below 4 GiB); ``l2pf``: page strides below
-    4 GiB (the L2 prefetch's addressing)."""
+    4 GiB (the L2 prefetch's addressing, which launches of at most :data:`FEW_UNITS` pairs add to either loop)."""
     d = k_fmt.head_dim
     reg = _register_loop(k_fmt, v_fmt, units) or not cpa
-    l2 = reg and l2pf
+    l2 = l2pf and units <= FEW_UNITS  # more bytes in flight where few warps run
     meta = k_fmt.meta_dtype
     return (("D_", d), ("GQ_", g), ("PS_", k_fmt.page_size), ("NW_", _NW), ("QT_", _DT[q_dtype]),
             ("T16_", _DT[dtype16]), ("MT_", _DT[meta] if meta != torch.float32 else 0),

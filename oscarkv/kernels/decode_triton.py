@@ -229,6 +229,9 @@ def decode_attention_triton(
         plan = DecodePlan(B, hq, fmt.num_kv_heads, d, fmt.page_size, block_table.shape[1], k16.shape[2],
                           device=q.device)
     check_decode(q, k_pages, v_pages, block_table, qlen, k16, v16, len16, plan)
+    if fmt.page_size & (fmt.page_size - 1):
+        raise ValueError(f"the Triton decode kernel needs a power-of-two page_size, got {fmt.page_size}: use "
+                         "backend='cuda' or 'reference'")
     if q.stride(2) != 1:
         q = q.contiguous()
     g = hq // fmt.num_kv_heads

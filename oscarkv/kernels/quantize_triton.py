@@ -345,7 +345,7 @@ def _launch(k_pages, v_pages, k, v, k_strides, v_strides, slots, n, idx0, idx1, 
     """Check, then launch: the channel-page kernel for channel-page keys, the word kernel for the sides it serves,
     the row kernel for the rest; K and V share a launch where their pools share a geometry."""
     fk = k_pages.fmt
-    check_kv_formats(k_pages, v_pages)
+    check_kv_formats(k_pages, v_pages, attention=False)
     check_pool_strides(k_pages, v_pages, k_pages.codes.device)
     d, hkv = fk.head_dim, fk.num_kv_heads
     if d % 4:

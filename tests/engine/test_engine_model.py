@@ -51,7 +51,7 @@ def test_gemv_choice_per_batch_rows(make_hf, monkeypatch):
     """"auto" runs the fused Triton GEMV for single-row decode steps only; "triton" up to GEMV_MAX_M rows; "cublas"
     never; and off CUDA (no Triton path) never."""
     from oscarkv.engine import model as model_mod
-    from oscarkv.engine.triton_ops import GEMV_MAX_M
+    from oscarkv.kernels.dispatch import GEMV_MAX_M
 
     net = from_hf(make_hf("llama"))
     x = lambda m: torch.zeros(m, net.cfg.hidden_size)  # noqa: E731

@@ -13,7 +13,6 @@ import triton.language as tl
 from kernel_helpers import DEVICE, brute_threshold, poisoned_pages
 
 from oscarkv.kernels import quantize_fast16 as qf
-from oscarkv.kernels import quantize_triton as qt
 from oscarkv.kernels import quantize_words as qw
 from oscarkv.kernels._triton_util import interpreting
 from oscarkv.kernels.layout import PageFormat

@@ -14,9 +14,10 @@
 //   scale/offset per (page, head, channel)) instead of token pages, PART_ which tiers a launch covers (0 both,
 //   1 quantized only, 2 16-bit only), MINB_ the CTAs per SM to fit in registers.
 //   Quantized-tier loop: CPA_ = 1 streams each warp's pages global -> shared memory with cp.async (two page
-//   stages); CPA_ = 0 keeps a one-chunk register prefetch, with L2PF_ = 1 asking for the warp's next page to
-//   be brought into L2 (prefetch.global.L2). Channel-page keys need CPA_ (their per-page scales come with the
-//   stage). Programmatic dependent launch: PDLW_ the split kernel waits for the kernel before it
+//   stages); CPA_ = 0 keeps a one-chunk register prefetch. L2PF_ = 1 asks for a warp's next page (register
+//   loop) or the page after the one in flight (cp.async loop) to be brought into L2 (prefetch.global.L2): more
+//   bytes in flight where a launch has few warps. Channel-page keys need CPA_ (their per-page scales come with
+//   the stage). Programmatic dependent launch: PDLW_ the split kernel waits for the kernel before it
 //   (griddepcontrol.wait), PDL_ the merge kernel is a dependent of the split kernel and lets the next kernel
 //   start, EARLY_ (with L2PF_) each warp's first two pages are prefetched into L2 before that wait.
 #ifndef D_
@@ -89,7 +90,6 @@ static_assert(GQ >= 1 && GQ <= 8, "at most 8 query heads per KV head");
 static_assert(PS % 16 == 0, "page size must be a multiple of 16");
 static_assert(KS == (8 / KB) * WPT && KS == (8 / VB) * VH, "fields x words cover the k-steps");
 static_assert(!KCH || CPA_, "channel-page keys need the cp.async stages (CPA_)");
-static_assert(!L2PF_ || !CPA_, "L2PF_ belongs to the register-prefetch loop");
 static_assert(!EARLY_ || L2PF_, "EARLY_ needs L2PF_ (its per-lane page prefetch)");
 
 struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is trivial

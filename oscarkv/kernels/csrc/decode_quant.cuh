@@ -55,7 +55,7 @@ struct Bases2 {
 // take the K lines, 16..31 the V lines (16 lines per instruction each); for metadata lane l takes row l & 3
 // (ks, ko, vs, vo) at byte min(128 (l >> 2), row bytes - 1), so a row of up to 1 KB is covered.
 constexpr int PF_KLINES = PS * RBK / 128, PF_VLINES = PS * RBV / 128;
-constexpr int PF_META = PS * MSZ;
+constexpr int KMROW = KCH ? D : PS;  // elements of a key metadata row (a page's: per token, or per channel)
 __device__ __forceinline__ void l2_prefetch_page(const Params& p, const Bases2& bs, int32_t page, int lane) {
 #if L2PF_
   // page strides below 2^32 bytes (decode_cuda.py checks): one IMAD.WIDE.U32 per address; the lane's strides are
@@ -79,7 +79,7 @@ __device__ __forceinline__ void l2pf_bases(Bases2& bs, const Params& p, int h, i
   const int r = lane & 3;
   const uint64_t mb = r == 0 ? p.ks : r == 1 ? p.ko : r == 2 ? p.vs : p.vo;
   bs.pfm = reinterpret_cast<const uint8_t*>(mb) + h * (r < 2 ? p.s_kmh : p.s_vmh) * (int64_t)MSZ +
-           min(128 * (lane >> 2), PF_META - 1);
+           min(128 * (lane >> 2), (r < 2 ? KMROW : PS) * MSZ - 1);
 #endif
 }
 
@@ -146,7 +146,6 @@ __device__ __forceinline__ void load_chunk_page(Chunk2& c, const PagePtrs& pp) {
 //      16 threads would hit 2 or 1 of the 4 32-byte bank groups of a row.
 //   metadata: natural order (a thread's pair of adjacent tokens is one 32-bit read, broadcast over tig).
 constexpr int CP_KCODE = PS * RBK, CP_VCODE = PS * RBV;
-constexpr int KMROW = KCH ? D : PS;  // elements of a key metadata row
 constexpr int CP_MOFF = CP_KCODE + CP_VCODE;
 constexpr int M_VS = 0, M_VO = PS * MSZ, M_KS = 2 * PS * MSZ, M_KO = 2 * PS * MSZ + KMROW * MSZ;
 constexpr int CP_META = 2 * PS * MSZ + 2 * KMROW * MSZ;
@@ -404,15 +403,18 @@ __device__ __forceinline__ bool page_reg(const Q2& q, Chunk2 (&buf)[2], State& s
   return has_next;
 }
 
-// CPA_: one page of a warp from its shared-memory stage sb (copies complete and visible to the warp)
+// CPA_: one page of a warp from its shared-memory stage sb (copies complete and visible to the warp); with L2PF_,
+// page pf_page (the one after the page in flight) is asked into L2 before the last chunk.
 template <bool MASKED>
-__device__ __forceinline__ void page_cpa(Q2& q, State& st, float (&osum)[2], const uint8_t* sb, uint32_t kr,
-                                         uint32_t vr, uint32_t mr, int left, int gid, int tig, const float* sq) {
+__device__ __forceinline__ void page_cpa(Q2& q, State& st, float (&osum)[2], const Params& p, const Bases2& bs,
+                                         const uint8_t* sb, uint32_t kr, uint32_t vr, uint32_t mr, int32_t pf_page,
+                                         int left, int gid, int tig, const float* sq) {
 #if KCH_
   channel_q(q, sb + CP_MOFF, sq, tig);
 #endif
 #pragma unroll
   for (int ch = 0; ch < CPP; ++ch) {
+    if (L2PF_ && ch == CPP - 1) l2_prefetch_page(p, bs, pf_page, (int)(threadIdx.x & 31));
     if (!MASKED || 16 * ch < left) {
       Chunk2 c;
       switch (ch) {  // compile-time offsets (ch is a constant after unrolling)
@@ -512,8 +514,8 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
     const int32_t id_n = c > 2 ? *btn : 0;  // read a page before it is needed
     cp_wait<1>();  // page k has landed (only the newest group may be pending)
     __syncwarp();  // ... for every lane's copies
-    if (left >= PS) page_cpa<false>(q, st, osum, wreg + rd, kr, vr, mr, left, gid, tig, sq);
-    else page_cpa<true>(q, st, osum, wreg + rd, kr, vr, mr, left, gid, tig, sq);
+    if (left >= PS) page_cpa<false>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid, tig, sq);
+    else page_cpa<true>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid, tig, sq);
     __syncwarp();  // every lane has read stage rd before the next iteration's copies overwrite it
     if (c == 1) break;
     id_w = id_n;
