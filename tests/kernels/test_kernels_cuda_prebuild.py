@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_helpers import FORMATS, fmt_id
 
+from oscarkv.kernels import _triton_util
 from oscarkv.kernels import decode_cuda as dc
 from oscarkv.kernels.layout import PageFormat, QuantPages
 from oscarkv.kernels.plan import DecodePlan
@@ -19,6 +20,7 @@ def no_gpu(monkeypatch):
     """The launcher and prebuild without nvcc or a GPU: builds and loads are recorded, launches dropped."""
     built, loaded = [], []
     monkeypatch.setattr(dc, "nvcc", lambda: "nvcc")  # the format rules apply; no toolkit needed
+    monkeypatch.setattr(_triton_util, "interpreting", lambda: True)  # CPU tensors pass the device checks
     monkeypatch.setattr(dc, "build", lambda key: built.append(key) or dc._cache_dir() / "stub.cubin")
     monkeypatch.setattr(dc, "_functions", lambda key, dev: loaded.append(key) or (0, 0))
     monkeypatch.setattr(dc, "_launch", lambda *a, **k: None)

@@ -104,7 +104,8 @@ def test_cuda_decode_spreads_short_sequences(case, fmt):
     q = torch.randn(B, hkv * g, d, device=DEVICE, dtype=torch.bfloat16)
     plan = DecodePlan(B, hkv * g, hkv, d, ps, args[2].shape[1], c16, device=DEVICE).update(B)
     out = torch.full((B, hkv * g, d), float("nan"), device=DEVICE)
+    budget = 2e-3 if lay == "channel" else 1e-3  # channel keys: the scale folded into the float16 query
     for pdl in (False, True):
         decode_attention_cuda(q, *args, plan=plan, out=out, pdl=pdl)
-        assert rel_err(out, decode_attention_ref(q, *args, dtype=torch.float64)) < 1e-3
+        assert rel_err(out, decode_attention_ref(q, *args, dtype=torch.float64)) < budget
         _check_spread(plan, plan.lse_part, lens, hkv, g)
