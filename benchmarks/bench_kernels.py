@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from oscarkv.kernels import dispatch  # noqa: E402
-from oscarkv.kernels.layout import PageFormat, QuantPages  # noqa: E402
-from oscarkv.kernels.plan import DecodePlan  # noqa: E402
-from oscarkv.kernels.reference import decode_attention_ref  # noqa: E402
+from oscarkv.kernels import dispatch
+from oscarkv.kernels.layout import PageFormat, QuantPages
+from oscarkv.kernels.plan import DecodePlan
+from oscarkv.kernels.reference import decode_attention_ref
 
 HQ, HKV, D, PS, W16 = 32, 8, 128, 64, 320
 FORMATS = {f"{lay}{kb}/token{vb}": (kb, lay, vb) for lay in ("token", "channel") for kb in (2, 4) for vb in (2, 4)}
@@ -179,10 +179,8 @@ def bench_decode_row(name: str, batch: int, ctx: int, before=None) -> dict:
             row[f"{impl}_GBps"] = nbytes / ms / 1e6
             row[f"{impl}_ms_runs"] = ts
         row["splits"] = plan.num_splits
-    except Exception as e:  # report and keep going: one failing format must not hide the others
+    except Exception as e:  # noqa: BLE001 - report and keep going: one failing format must not hide the others
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    del q, kp, vp, bt, k16, v16
-    torch.cuda.empty_cache()
     return row
 
 
@@ -198,10 +196,10 @@ def bench_extend_row(name: str, prefix: int, chunk: int) -> dict:
     hl = (qlen.tolist(), len16.tolist())
     res = {"format": name, "prefix": prefix, "chunk": chunk}
     for impl, kw in (("default", {"host_lengths": hl}), ("fused", {"fold": "fused"})):
-        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)  # noqa: E731
+        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)
         try:
             res[f"{impl}_ms"] = timeit(fn, reps=10)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report and keep going
             res[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     torch.cuda.empty_cache()
     return res
@@ -229,7 +227,7 @@ def bench_quantize_row(name: str, n: int) -> dict:
     v = torch.randn_like(k)
     slots = (torch.randperm(n // PS, device="cuda")[:, None] * PS + torch.arange(PS, device="cuda")).view(-1)
     kc = 0.0 if kf.channel else 0.96
-    fn = lambda: dispatch.quantize_write(kp, vp, k, v, slots, k_clip=kc, v_clip=0.92, check_pages=False)  # noqa
+    fn = lambda: dispatch.quantize_write(kp, vp, k, v, slots, k_clip=kc, v_clip=0.92, check_pages=False)
     ms = timeit(fn)
     nbytes = 2 * n * HKV * D * 2 + n * (kf.bytes_per_token + vf.bytes_per_token) + 8 * n
     return {"format": name, "rows": n, "ms": ms, "bytes": int(nbytes), "GBps": nbytes / ms / 1e6}
@@ -303,6 +301,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 for name in names:
                     row = bench_decode_row(name, batch, ctx, before if name == "token2/token2" else None)
+                    torch.cuda.empty_cache()
                     row["sdpa_bf16_ms"], row["sdpa_backend"] = sdpa_ms, backend
                     res["decode"].append(row)
                     print(json.dumps({k: v for k, v in row.items() if not k.endswith("_runs")}), flush=True)

@@ -157,7 +157,7 @@ def build(key: tuple) -> Path:
     defs = [f"-D{k}={v}" for k, v in key if k != "ARCH"]
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [exe, f"-arch=sm_{arch}", "-O3", "-std=c++17", "-cubin", *defs, "-o", str(tmp), str(_CSRC / _SOURCES[0])]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
     tmp.replace(out)
@@ -223,15 +223,13 @@ def _struct(name: str, fields: list[tuple[str, object]]):
     return type(name, (ctypes.Structure,), {"_fields_": fields})
 
 
-_P_FIELDS = ([(n, ctypes.c_uint64) for n in "q kc vc ks ko vs vo bt qlen k16 v16 len16 o_part lse_part".split()]
-             + [(n, ctypes.c_int64) for n in ("sq_b sq_h s_kcp s_kch s_vcp s_vch s_kmp s_kmh s_vmp s_vmh s_bt s16_b "
-                                               "s16_h s16_t so_b so_h so_s sl_b sl_h hkv tok_per_split num_qsplits "
-                                               "tok16_per_split").split()]
+_P_FIELDS = ([(n, ctypes.c_uint64) for n in ["q", "kc", "vc", "ks", "ko", "vs", "vo", "bt", "qlen", "k16", "v16", "len16", "o_part", "lse_part"]]
+             + [(n, ctypes.c_int64) for n in ["sq_b", "sq_h", "s_kcp", "s_kch", "s_vcp", "s_vch", "s_kmp", "s_kmh", "s_vmp", "s_vmh", "s_bt", "s16_b", "s16_h", "s16_t", "so_b", "so_h", "so_s", "sl_b", "sl_h", "hkv", "tok_per_split", "num_qsplits", "tok16_per_split"]]
              + [("sm_scale_log2", ctypes.c_double)]
              + [(n, ctypes.c_int64) for n in ("gran_pages", "least_pages")])
 _Params = _struct("_Params", _P_FIELDS)
 _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
-    (n, ctypes.c_int64) for n in "so_b so_h so_s sl_b sl_h sout_b sout_h hq num_splits out_dtype".split()])
+    (n, ctypes.c_int64) for n in ["so_b", "so_h", "so_s", "sl_b", "sl_h", "sout_b", "sout_h", "hq", "num_splits", "out_dtype"]])
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -383,5 +381,14 @@ def decode_attention_cuda(
     return out
 
 
-__all__ = ["FEW_UNITS", "FUSED_UNITS", "decode_attention_cuda", "supported", "unsupported", "build", "prebuild",
-           "config_key", "nvcc"]
+__all__ = [
+    "FEW_UNITS",
+    "FUSED_UNITS",
+    "build",
+    "config_key",
+    "decode_attention_cuda",
+    "nvcc",
+    "prebuild",
+    "supported",
+    "unsupported",
+]

@@ -16,10 +16,9 @@ Layout: :mod:`oscarkv.kernels.layout`.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._triton_util import check_decode, next_pow2, pool_strides
 from .layout import QuantPages

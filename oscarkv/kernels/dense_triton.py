@@ -19,7 +19,8 @@ from torch import Tensor
 from ._triton_util import interpreting
 
 try:  # grid dependency control (Triton >= 3.4): griddepcontrol.wait / .launch_dependents on sm_90+
-    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch, gdc_wait as _gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
 
     HAS_GDC = True
 except ImportError:  # older Triton: no programmatic dependent launch (``pdl_available`` is False)
@@ -266,7 +267,7 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
     """Graph-safe: the grid depends on ``max_len`` (tokens a sequence may hold), not on ``lens``. ``pdl``: both
     kernels as programmatic dependents (the merge kernel of the split kernel)."""
     B, Hq, d = q.shape
-    _, npages, Hkv, P, _ = kv.shape
+    _, _, Hkv, P, _ = kv.shape
     g = Hq // Hkv
     max_pages = math.ceil((max_len or block_table.shape[1] * P) / P)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
@@ -324,7 +325,7 @@ def embed_rope(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Tensor
                pdl: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(embed(tokens), cos, sin)`` of a step in one launch instead of six torch ops: ``emb`` ``[V, D]``,
     ``inv_freq2`` float32 ``[d]`` (both halves); cos/sin ``[N, d]`` in the embedding dtype."""
-    N, (V, D), hd = tokens.shape[0], emb.shape, inv_freq2.shape[0]
+    N, D, hd = tokens.shape[0], emb.shape[1], inv_freq2.shape[0]
     x = torch.empty(N, D, dtype=emb.dtype, device=emb.device)
     cos = torch.empty(N, hd, dtype=emb.dtype, device=emb.device)
     sin = torch.empty_like(cos)
@@ -335,4 +336,4 @@ def embed_rope(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Tensor
     return x, cos, sin
 
 
-__all__ = ["rmsnorm", "silu_mul", "qk_prep", "paged_decode", "embed_rope", "pdl_available", "HAS_GDC"]
+__all__ = ["HAS_GDC", "embed_rope", "paged_decode", "pdl_available", "qk_prep", "rmsnorm", "silu_mul"]

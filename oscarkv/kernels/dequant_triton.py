@@ -6,10 +6,9 @@ workspace's dtype."""
 
 from __future__ import annotations
 
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._triton_util import interpreting, pool_strides
 from .extend_tiles import _dequant_tile

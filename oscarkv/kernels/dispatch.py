@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -207,7 +207,7 @@ def rotate_rows(
     ``mean_after``: ``+ mu`` after), ``x [N, Hx, d]``, ``r [H, d, d]``, ``mu [H, d]`` float32, ``G = Hx / H``.
     Written, cast to their dtypes, into ``out [N, Hx, d]`` and/or rows ``rows [N]`` of ``rows_out [M, Hx, d]``
     (e.g. a 16-bit ring), in one launch on the kernel path. Returns ``out``."""
-    kw = dict(out=out, transpose=transpose, mean_after=mean_after, rows_out=rows_out, rows=rows)
+    kw = {"out": out, "transpose": transpose, "mean_after": mean_after, "rows_out": rows_out, "rows": rows}
     d = x.shape[-1]
     why = None if d >= 16 and not d & (d - 1) else f"head_dim must be a power of two >= 16, got {d}"
     if _pick(backend, x.device, "rotate_rows", why) == "reference":
@@ -307,6 +307,24 @@ def paged_decode(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_sc
     return kernel(q, kv, block_table, lens, sm_scale, max_len, pdl=pdl)
 
 
-__all__ = ["BACKENDS", "GEMV_MAX_M", "DecodePlan", "KVDest", "use_reference", "triton_available", "quantize_write",
-           "demote", "decode_attention", "extend_attention", "rotate_rows", "uses_kernels", "pdl_available",
-           "rmsnorm", "silu_mul", "qk_prep", "gemv", "embed_rope", "paged_decode"]
+__all__ = [
+    "BACKENDS",
+    "GEMV_MAX_M",
+    "DecodePlan",
+    "KVDest",
+    "decode_attention",
+    "demote",
+    "embed_rope",
+    "extend_attention",
+    "gemv",
+    "paged_decode",
+    "pdl_available",
+    "qk_prep",
+    "quantize_write",
+    "rmsnorm",
+    "rotate_rows",
+    "silu_mul",
+    "triton_available",
+    "use_reference",
+    "uses_kernels",
+]

@@ -22,10 +22,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._triton_util import interpreting
 from .dequant_triton import dequant_pages_into
@@ -225,4 +224,4 @@ def mark_cudnn_broken(q: Tensor, d: int, err: Exception) -> None:
                       f"kernel for {q.dtype} queries with d={d} on this device", stacklevel=3)
 
 
-__all__ = ["SEGMENT_TOKENS", "min_chunk", "extend_attention_sdpa", "mark_cudnn_broken", "sdpa_supported"]
+__all__ = ["SEGMENT_TOKENS", "extend_attention_sdpa", "mark_cudnn_broken", "min_chunk", "sdpa_supported"]

@@ -17,12 +17,17 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, pool_strides
+from ._triton_util import (
+    check_device,
+    check_kv_formats,
+    check_pool_strides,
+    interpreting,
+    pool_strides,
+)
 from .extend_sdpa import extend_attention_sdpa, mark_cudnn_broken, sdpa_supported
 from .extend_tiles import _dequant_tile, _online, _query_rows
 from .layout import QuantPages
@@ -136,7 +141,7 @@ def _extend_kernel(
     npages = tl.cdiv(ntok, PS)
     nsteps = ntok // NB
     page = _step_pages(bt_row, 0, 0, npages, PS, PPS)
-    for p in range(0, nsteps):
+    for p in range(nsteps):
         page_next = _step_pages(bt_row, p, 1, npages, PS, PPS)
         m_i, l_i, acc = _page_step(p, page, ntok, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, s_kcp, s_kch, s_kmp,
                                    s_kmh, s_vcp, s_vch, s_vmp, s_vmh, h, qk, csc, m_i, l_i, acc, D, PS, PPS, KB, VB,

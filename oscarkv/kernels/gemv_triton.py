@@ -13,8 +13,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dense_triton import _gdc_launch, _gdc_wait, _launch, _p2, _pdl_enter, pdl_available
+from .dense_triton import (
+    _gdc_launch,
+    _gdc_wait,
+    _launch,
+    _p2,
+    _pdl_enter,
+    pdl_available,
+)
 from .dispatch import GEMV_MAX_M
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -332,10 +340,10 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
     args = (x, w, b if b is not None else dummy, residual if residual is not None else dummy,
             norm if norm is not None else dummy, y, ws, cnt, M, N, K, ks, x.stride(0), w.stride(0),
             residual.stride(0) if residual is not None else 0, y.stride(0), eps)
-    meta = dict(MP=mp, BN=cfg.block_n, BK=cfg.block_k, PRO=1 if norm is not None else (2 if act else 0),
-                HAS_BIAS=b is not None, HAS_RES=residual is not None,
-                EVEN=N % cfg.block_n == 0 and K % cfg.block_k == 0, SPLIT=split, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, pdl=pdl and pdl_available(x))
+    meta = {"MP": mp, "BN": cfg.block_n, "BK": cfg.block_k, "PRO": 1 if norm is not None else (2 if act else 0),
+                "HAS_BIAS": b is not None, "HAS_RES": residual is not None,
+                "EVEN": N % cfg.block_n == 0 and K % cfg.block_k == 0, "SPLIT": split, "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages, "pdl": pdl and pdl_available(x)}
     grid = (blocks, split)
     if cfg.kind == "fma":
         _launch(_gemv_fma_kernel, grid, *args, V=min(cfg.block_k, 16 // x.element_size()), **meta)
@@ -344,4 +352,4 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
     return y
 
 
-__all__ = ["gemv", "GemvConfig", "GEMV_CONFIGS", "GEMV_SETS", "GEMV_MAX_M", "gemv_config"]
+__all__ = ["GEMV_CONFIGS", "GEMV_MAX_M", "GEMV_SETS", "GemvConfig", "gemv", "gemv_config"]

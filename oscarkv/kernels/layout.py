@@ -34,7 +34,6 @@ from torch import Tensor
 
 from ..quant import resolve_meta_dtype
 
-
 LAYOUTS = ("token", "channel")
 
 
@@ -104,7 +103,7 @@ class PageFormat:
         num = self.num_kv_heads * (self.row_bytes * self.page_size + 2 * self.head_dim * meta)
         return num // self.page_size if num % self.page_size == 0 else num / self.page_size
 
-    def same_geometry(self, other: "PageFormat") -> bool:
+    def same_geometry(self, other: PageFormat) -> bool:
         """Equal except for the key layout (K in channel pages and V in token pages share slots and codes)."""
         return dataclasses.replace(self, layout="token") == dataclasses.replace(other, layout="token")
 
@@ -119,7 +118,7 @@ class QuantPages:
     fmt: PageFormat
 
     @classmethod
-    def allocate(cls, fmt: PageFormat, num_pages: int, device: torch.device | str = "cpu") -> "QuantPages":
+    def allocate(cls, fmt: PageFormat, num_pages: int, device: torch.device | str = "cpu") -> QuantPages:
         shape = (num_pages, fmt.num_kv_heads, fmt.page_size)
         meta = (num_pages, fmt.num_kv_heads, *fmt.meta_shape)
         return cls(
@@ -164,4 +163,4 @@ class KVDest(NamedTuple):
     s_head: int
 
 
-__all__ = ["LAYOUTS", "PageFormat", "QuantPages", "KVDest", "slot_mapping"]
+__all__ = ["LAYOUTS", "KVDest", "PageFormat", "QuantPages", "slot_mapping"]

@@ -170,7 +170,7 @@ class DecodePlan:
         pps = min(max(-(-want // gran) * gran, least), self.pages_per_split)
         return pps * self.page_size
 
-    def update(self, batch: int, max_tokens: int | None = None) -> "DecodePlan":
+    def update(self, batch: int, max_tokens: int | None = None) -> DecodePlan:
         """Set the split geometry for a step of ``batch`` sequences whose 2-bit tiers hold at most
         ``max_tokens`` tokens (default: the block table's capacity). Host arithmetic only."""
         if not 1 <= batch <= self.max_batch:

@@ -14,15 +14,27 @@ packed compares on the raw words. The word arithmetic is in :mod:`oscarkv.kernel
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .layout import QuantPages
 from .quantize_math import _from16, _store_meta
-from .quantize_words import (_f32_to16, _group_params_x, _h2max, _pk_add, _pk_addmin, _pk_below, _pk_nkeys,
-                             _pk_rowmin2, _pk_umin, _subumin, _w_hi, _w_lo, _wcodes)
+from .quantize_words import (
+    _f32_to16,
+    _group_params_x,
+    _h2max,
+    _pk_add,
+    _pk_addmin,
+    _pk_below,
+    _pk_nkeys,
+    _pk_rowmin2,
+    _pk_umin,
+    _subumin,
+    _w_hi,
+    _w_lo,
+    _wcodes,
+)
 
 
 # A row of d 16-bit floats is read as d/2 int32 words (16-byte loads), four quarters of d/8 words, each split

@@ -305,7 +305,7 @@ def _codes(x, lo_s, ssafe, p1, p2, p3, CODES: tl.constexpr):
 @triton.jit
 def _part_range(x, lo, hi, cols, cmask, J: tl.constexpr, GI: tl.constexpr, DQ: tl.constexpr, G: tl.constexpr):
     """Fold quarter ``J``'s elements of group ``GI`` into the running group min/max (groups < d only)."""
-    if (J * DQ) // G <= GI:  # nested constexpr ifs: the quarter overlaps the group
+    if (J * DQ) // G <= GI:  # noqa: SIM102 - nested constexpr ifs: the quarter overlaps the group
         if GI <= (J * DQ + DQ - 1) // G:
             m = (((J * DQ + cols) // G) == GI) & cmask
             lo = tl.minimum(lo, tl.min(tl.where(m[None, :], x, float("inf")), axis=1))
@@ -317,7 +317,7 @@ def _part_range(x, lo, hi, cols, cmask, J: tl.constexpr, GI: tl.constexpr, DQ: t
 def _part_codes(q, x, cols, lo_s, ssafe, p1, p2, p3, J: tl.constexpr, GI: tl.constexpr, DQ: tl.constexpr,
                 G: tl.constexpr, CODES: tl.constexpr):
     """Add group ``GI``'s codes of quarter ``J`` to ``q`` (groups < d only)."""
-    if (J * DQ) // G <= GI:
+    if (J * DQ) // G <= GI:  # noqa: SIM102 - nested constexpr ifs
         if GI <= (J * DQ + DQ - 1) // G:
             c = _codes(x, lo_s, ssafe, p1, p2, p3, CODES)
             if (J * DQ) // G == (J * DQ + DQ - 1) // G:  # the whole quarter is in this group

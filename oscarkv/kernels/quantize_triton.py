@@ -17,17 +17,34 @@ in torch float32 before the kernels, the same einsum as the reference.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ..quant import clip_index
-from ._triton_util import check_device, check_kv_formats, check_pool_strides, interpreting, next_pow2
+from ._triton_util import (
+    check_device,
+    check_kv_formats,
+    check_pool_strides,
+    interpreting,
+    next_pow2,
+)
 from .layout import QuantPages
 from .quantize_fast16 import _quant16_kernel, fast16_ok, warps_for
-from .quantize_math import (_codes, _group_params, _max4, _min4, _part_codes, _part_range, _round_meta,
-                            _store_meta, _tau_f32, _tau_key16, _threshold, _to_f32)
+from .quantize_math import (
+    _codes,
+    _group_params,
+    _max4,
+    _min4,
+    _part_codes,
+    _part_range,
+    _round_meta,
+    _store_meta,
+    _tau_f32,
+    _tau_key16,
+    _threshold,
+    _to_f32,
+)
 from .reference import channel_page_ids
 
 _META_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -456,4 +473,4 @@ def demote_triton(
             k_mean=None, v_mean=None, k_clip=k_clip, v_clip=v_clip, gather=True, check_pages=check_pages)
 
 
-__all__ = ["quantize_write_triton", "demote_triton", "clip_plan"]
+__all__ = ["clip_plan", "demote_triton", "quantize_write_triton"]

@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-import torch.nn.functional as F
-
-from ..quant import clip_index, dequantize, pack, quantize, QuantizedRows, unpack
+from ..quant import QuantizedRows, clip_index, dequantize, pack, quantize, unpack
 from .layout import QuantPages
 
 
@@ -328,6 +327,19 @@ def embed_rope_ref(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Te
     return x, cos.to(x.dtype), sin.to(x.dtype)
 
 
-__all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref",
-           "decode_attention_ref", "extend_attention_ref", "rotate_rows_ref", "rmsnorm_ref", "rope_ref",
-           "qk_prep_ref", "paged_decode_ref", "gemv_ref", "embed_rope_ref"]
+__all__ = [
+    "channel_page_ids",
+    "decode_attention_ref",
+    "demote_ref",
+    "dequantize_pages_ref",
+    "embed_rope_ref",
+    "extend_attention_ref",
+    "gather_dequant_ref",
+    "gemv_ref",
+    "paged_decode_ref",
+    "qk_prep_ref",
+    "quantize_write_ref",
+    "rmsnorm_ref",
+    "rope_ref",
+    "rotate_rows_ref",
+]

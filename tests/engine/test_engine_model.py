@@ -56,7 +56,7 @@ def test_gemv_choice_per_batch_rows(make_hf, monkeypatch):
     net = from_hf(make_hf("llama"))
     x = lambda m: torch.zeros(m, net.cfg.hidden_size)  # noqa: E731
     assert not net._use_gemv(x(1))  # CPU tensors: no Triton path
-    monkeypatch.setattr(model_mod.ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(model_mod.ops, "uses_kernels", lambda t: True)
     assert net.gemv == "auto" and net._use_gemv(x(1)) and not net._use_gemv(x(2))
     net.set_gemv("triton")
     assert net._use_gemv(x(GEMV_MAX_M)) and not net._use_gemv(x(GEMV_MAX_M + 1))

@@ -36,8 +36,8 @@ def test_fused_kv_write_equals_reference_write_in_interpreter():
     cos, sin = ang.cos(), ang.sin()
     qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
     rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]; mu = torch.randn(hkv, d)
-    calib = dict(r_k=rk[None].expand(L, -1, -1, -1), mu_k=mu[None].expand(L, -1, -1), k_clip=torch.ones(L),
-                 v_clip=torch.ones(L))
+    calib = {"r_k": rk[None].expand(L, -1, -1, -1), "mu_k": mu[None].expand(L, -1, -1), "k_clip": torch.ones(L),
+                 "v_clip": torch.ones(L)}
     pools = [Bf16Pool(CacheConfig("bf16", page_size=P), L, hkv, d, 6, 4, 64, torch.float32, "cpu")]
     pools += [OscarPool(CacheConfig("oscar", page_size=4, sink=4, window=8), L, hkv, d, 6, 4, 64, wdt, "cpu", **calib)
               for wdt in (torch.float32, torch.bfloat16)]
@@ -84,7 +84,7 @@ def test_decode_path_greedy_in_interpreter(dense_kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(gemv_triton, "gemv", count_gemv)
     monkeypatch.setattr(dense_triton, "qk_prep", count_qk)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    kw = dict(kv_budget_gb=0.01, max_num_seqs=4, max_model_len=64)
+    kw = {"kv_budget_gb": 0.01, "max_num_seqs": 4, "max_model_len": 64}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 21)]
     hf = tiny_hf("qwen3")

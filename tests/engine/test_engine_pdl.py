@@ -32,10 +32,10 @@ def _logits_per_step(llm, prompts, n):
 
 @pytest.mark.parametrize("kv", ["bf16", "oscar"])
 def test_pdl_is_a_noop_on_cpu(make_hf, kv):
+    from test_engine_oscar import SMALL, make_calib
+
     from oscarkv.engine import LLM
     from oscarkv.kernels import dispatch
-
-    from test_engine_oscar import SMALL, make_calib
 
     hf = make_hf("qwen3")
     calib = make_calib(hf, SMALL) if kv == "oscar" else None
@@ -111,7 +111,7 @@ def test_pdl_reaches_every_decode_kernel_in_interpreter(monkeypatch):
 
     monkeypatch.setattr(dispatch, "decode_attention", rec_decode)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    kw = dict(kv_budget_gb=0.01, max_num_seqs=4, max_model_len=64, gemv="triton")
+    kw = {"kv_budget_gb": 0.01, "max_num_seqs": 4, "max_model_len": 64, "gemv": "triton"}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 9)]
     L = 2

@@ -103,7 +103,7 @@ def _write_case(bits, meta, d, rotation=False):
     slots = torch.cat([torch.arange(4 * ps, 5 * ps), torch.full((ps,), -1), torch.arange(ps, 2 * ps)]).to(DEVICE)
     kw = {}
     if rotation:
-        kw = dict(k_rotation=torch.linalg.qr(torch.randn(d, d))[0].to(DEVICE), k_mean=torch.randn(hkv, d).to(DEVICE))
+        kw = {"k_rotation": torch.linalg.qr(torch.randn(d, d))[0].to(DEVICE), "k_mean": torch.randn(hkv, d).to(DEVICE)}
     quantize_write_triton(kp, vp, k, v, slots, v_clip=0.9, **kw)
     quantize_write_ref(rk, k, slots, rotation=kw.get("k_rotation"), mean=kw.get("k_mean"))
     quantize_write_ref(rv, v, slots, clip_ratio=0.9)

@@ -44,7 +44,7 @@ def test_dense_ops_match_reference_in_interpreter():
     wide = torch.cat([bt, torch.zeros(B, 12, dtype=torch.int32)], 1)
     got = dense_triton.paged_decode(q, kv, wide, lens, 0.25, max_len=256)
     torch.testing.assert_close(got, R.paged_decode_ref(q, kv, wide, lens, 0.25), atol=1e-4, rtol=1e-4)
-    o, lse = next(w for k, w in dense_triton._WORK.items() if k[3] == 3)  # 3 splits of up to 6 pages
+    _, lse = next(w for k, w in dense_triton._WORK.items() if k[3] == 3)  # 3 splits of up to 6 pages
     assert bool((lse.view(B, hq, 3)[0] > -1e29).all())  # 3 pages of sequence 0: one per split, none idle
 
 
@@ -62,18 +62,18 @@ def test_gemv_matches_reference_in_interpreter():
         w = (torch.randn(N, K) / K ** 0.5).to(dt)
         b, nw = torch.randn(N).to(dt), (torch.rand(K) + 0.5).to(dt)
         x, gu, res = torch.randn(M, K).to(dt), torch.randn(M, 2 * K).to(dt), torch.randn(M, N).to(dt)
-        cases = ((x, {}), (x, dict(b=b, residual=res)), (x, dict(norm=nw, eps=1e-6)), (gu, dict(act="silu", residual=res)))
+        cases = ((x, {}), (x, {"b": b, "residual": res}), (x, {"norm": nw, "eps": 1e-6}), (gu, {"act": "silu", "residual": res}))
         for cfg in cfgs + [None]:
             for xin, kw in cases:
                 got = gemv_triton.gemv(xin, w, config=cfg, **kw)
                 ref = R.gemv_ref(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
                 tol = 1e-5 if dt == torch.float32 else 2e-2
-                torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{dt} {M}x{N}x{K} {cfg} {list(kw)}: {m}")
+                torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=f"{dt} {M}x{N}x{K} {cfg} {list(kw)}")
                 # again (split-K: the tickets were reset), and as float32 output (the same rounded values)
                 again = gemv_triton.gemv(xin, w, config=cfg, out_dtype=torch.float32, **kw)
                 assert again.dtype == torch.float32 and torch.equal(again, got.float()), (dt, M, N, K, cfg, list(kw))
     assert all(not c.any() for k, c in gemv_triton._SPLIT_WORK.items() if c.dtype == torch.int32)  # tickets back to 0
-    for bad in (dict(act="gelu"), dict(norm=torch.ones(64), act="silu")):
+    for bad in ({"act": "gelu"}, {"norm": torch.ones(64), "act": "silu"}):
         with pytest.raises(ValueError):
             gemv_triton.gemv(torch.randn(1, 64), torch.randn(8, 64), **bad)
 
@@ -90,7 +90,7 @@ def test_launch_turns_pdl_into_constexpr_and_launch_option():
 
     dense_triton._launch(Kernel(), (3, 1), 1, 2, pdl=True, num_warps=4, BLOCK=8)
     dense_triton._launch(Kernel(), (3,), 1, pdl=False, num_warps=4)
-    (g1, a1, kw1), (g2, a2, kw2) = calls
+    (g1, a1, kw1), (g2, _, kw2) = calls
     assert g1 == (3, 1) and a1 == (1, 2) and kw1 == {"PDL": True, "launch_pdl": True, "num_warps": 4, "BLOCK": 8}
     assert g2 == (3,) and kw2 == {"PDL": False, "num_warps": 4}  # no launch_pdl key: old Tritons lack the option
     assert not dense_triton.pdl_available(torch.zeros(1))
@@ -135,8 +135,8 @@ def test_pdl_kernels_equal_plain_launches_gpu():
         res = torch.randn(1, N, device=DEV).to(bf)
         xin = torch.randn(1, K, device=DEV).to(bf)
         nwk = (torch.rand(K, device=DEV) + 0.5).to(bf)
-        xi, kw = {"norm": (xin, dict(norm=nwk)), "residual": (xin, dict(b=b, residual=res)),
-                  "silu": (torch.randn(1, 2 * K, device=DEV).to(bf), dict(act="silu", residual=res))}[fusion]
+        xi, kw = {"norm": (xin, {"norm": nwk}), "residual": (xin, {"b": b, "residual": res}),
+                  "silu": (torch.randn(1, 2 * K, device=DEV).to(bf), {"act": "silu", "residual": res})}[fusion]
         for cfg in (None,) + (extra if (N, K) == (4096, 4096) else ()):
             plain = gemv_triton.gemv(xi, w, config=cfg, **kw)
             fast = gemv_triton.gemv(xi, w, config=cfg, pdl=True, **kw)

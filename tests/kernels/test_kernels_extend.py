@@ -11,7 +11,14 @@ import warnings
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, FORMATS, build_cache, fmt_id, rel_err, sharp_extend_case
+from kernel_helpers import (
+    DEVICE,
+    FORMATS,
+    build_cache,
+    fmt_id,
+    rel_err,
+    sharp_extend_case,
+)
 
 from oscarkv.kernels import extend_sdpa
 from oscarkv.kernels.extend_sdpa import _by_head, _merge, sdpa_supported
