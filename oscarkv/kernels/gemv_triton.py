@@ -99,11 +99,8 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> 
     """The tuned entry for the shape if there is one, else a heuristic. One row, "fma": 8 x 1024 tiles, 4 warps,
     for up to 8192 outputs (twice the programs of 16-row tiles on the small projections: 8B qkv / o_proj 768 /
     512), 16 x 1024 above (gate_up, lm_head); rows of 8192 and more (down) 2048-wide tiles, 8 warps, 16 rows
-    from 4096 outputs, else 8. Measured on the H200 in the 36-layer PDL chains (``benchmarks/pdl_probe.py``,
-    docs/results/pdl_probe_s15_h200.log: the sets "bn8" for 8B, "bn8d2" for 4B): 8B gemv chain 3.735 ->
-    3.531 ms (1.26 -> 1.20x its weight floor), 4B 2.349 -> 2.176 ms, against 16 x 1024 everywhere (the 8B
-    down kept at 16 x 2048: 8 rows there measured slower, 3.616 ms). More rows: "dot" 16 x 256, 4 stages (49 KB
-    of shared memory)."""
+    from 4096 outputs, else 8 (the fastest measured in the 36-layer PDL chains, docs/kernels.md). More rows:
+    "dot" 16 x 256, 4 stages (49 KB of shared memory)."""
     mp = _p2(M)
     if (mp, N, K) in GEMV_CONFIGS:
         return GEMV_CONFIGS[(mp, N, K)]
