@@ -1,22 +1,25 @@
-"""Kernel benchmarks on a CUDA GPU: decode attention (2-bit cache, CUDA C++ and Triton kernels) against BF16
-decode with torch SDPA (cuDNN backend), quantize/pack/write, and prefill over a quantized prefix against BF16
-SDPA. Qwen3-8B attention shapes (32 query / 8 KV heads, d = 128), page 64, sink 64 + window 256 in 16-bit.
+"""Kernel benchmarks on a CUDA GPU, one row per storage format: decode attention (the dispatcher's kernel: CUDA
+C++) against BF16 decode with torch SDPA (cuDNN backend) in the same process, prefill over a quantized prefix,
+and quantize/pack/write. Qwen3-8B attention shapes (32 query / 8 KV heads, d = 128), page 64, a 320-token 16-bit
+tier (sink 64 + window 256).
 
-Every timed call runs from a captured CUDA graph, with the L2 cache flushed (a 256 MiB write) before each
-replay; the median of the replays is reported. Bandwidth counts the bytes the kernel must read from the
-cache's own tensors (codes, scales, offsets, 16-bit tiers, block table, queries) plus its output.
+Formats: keys token/channel x 2/4 bits, values 2/4 bits ("channel4/token2": 4-bit keys in channel pages, 2-bit
+values). Before timing, every decode row is checked against the PyTorch reference (float64, first sequences of
+the batch); a row over the budget is reported, not dropped. Every timed call runs from a captured CUDA graph with
+the L2 flushed (a 256 MiB write) before each replay; the median of the replays is reported. Bytes read count what
+the kernel must read once: codes, scales and offsets of the quantized tier (channel-page metadata per page), the
+16-bit tiers, block table and queries, plus its output.
 
-    python benchmarks/bench_kernels.py --out docs/results/kernels_h200.json --git-sha $(git rev-parse HEAD)
+    python benchmarks/bench_kernels.py --out docs/results/kernels_formats.json --git-sha $(git rev-parse HEAD)
 
-Keys in channel pages (issue 9) next to token pages, alone:
-
-    python benchmarks/bench_kernels.py --skip decode,quantize,extend --channel \
-        --out docs/results/kernels_channel_h200.json --git-sha $(git rev-parse HEAD)
+``--before DIR``: also time the 2-bit token format with an earlier checkout's kernels, loaded from ``DIR`` (a
+copy of its ``oscarkv`` package directory named ``oscarkv_before``), interleaved with this checkout's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -29,18 +32,21 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from oscarkv.kernels.layout import PageFormat, QuantPages  # noqa: E402
-from oscarkv.kernels.plan import DecodePlan  # noqa: E402
+from oscarkv.kernels import dispatch
+from oscarkv.kernels.layout import PageFormat, QuantPages
+from oscarkv.kernels.plan import DecodePlan
+from oscarkv.kernels.reference import decode_attention_ref
 
 HQ, HKV, D, PS, W16 = 32, 8, 128, 64, 320
-READ_CEILING_TBS = 4.7
+FORMATS = {f"{lay}{kb}/token{vb}": (kb, lay, vb) for lay in ("token", "channel") for kb in (2, 4) for vb in (2, 4)}
+DECODE_BUDGET = 6e-3  # bfloat16 output (tests/kernels/test_kernels_decode.py)
 
 
 def provenance(git_sha: str) -> dict:
     import triton
 
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,memory.total",
-                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+                          "--format=csv,noheader"], capture_output=True, text=True, check=False).stdout.strip()
     return {"gpu": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "git_sha": git_sha, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -80,15 +86,19 @@ def timeit(fn, reps: int = 30, graph: bool = True) -> float:
     return times[len(times) // 2]
 
 
-def make_cache(batch: int, ctx: int, seed: int = 0, key_layout: str = "token"):
-    """Random 2-bit pages + 16-bit tiers for ``batch`` sequences of ``ctx`` tokens (ctx - 320 in 2-bit).
-    ``key_layout="channel"``: keys in channel pages (a scale/offset per page, head and channel)."""
+def formats(name: str) -> tuple[PageFormat, PageFormat]:
+    kb, lay, vb = FORMATS[name]
+    return PageFormat(HKV, D, PS, bits=kb, layout=lay), PageFormat(HKV, D, PS, bits=vb)
+
+
+def make_cache(name: str, batch: int, ctx: int, seed: int = 0):
+    """Random pages (codes, scales, offsets) + 16-bit tiers for ``batch`` sequences of ``ctx`` tokens
+    (``ctx - 320`` quantized), shuffled page ids."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n2 = max(0, ctx - W16)
     npg = math.ceil(n2 / PS)
-    fmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
-    kfmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS, layout=key_layout)
-    kp, vp = QuantPages.allocate(kfmt, batch * npg, "cuda"), QuantPages.allocate(fmt, batch * npg, "cuda")
+    kf, vf = formats(name)
+    kp, vp = QuantPages.allocate(kf, batch * npg, "cuda"), QuantPages.allocate(vf, batch * npg, "cuda")
     for t in (kp, vp):
         t.codes.random_(0, 256, generator=g)
         t.scale.copy_(torch.rand(t.scale.shape, device="cuda", generator=g) * 0.1 + 0.01)
@@ -102,19 +112,18 @@ def make_cache(batch: int, ctx: int, seed: int = 0, key_layout: str = "token"):
     return q, kp, vp, bt, qlen, k16, v16, len16, n2
 
 
-def decode_bytes(batch: int, n2: int, n16: int, key_layout: str = "token") -> int:
-    per_tok2 = 2 * HKV * (D // 4 + 2 * 2)  # K and V: codes + fp16 scale + fp16 offset
-    per_tok16 = 2 * HKV * D * 2
+def decode_bytes(name: str, batch: int, n2: int, n16: int) -> int:
+    """Bytes a decode step must read (and write): the quantized tier at each pool's physical bytes per token
+    (channel-page metadata amortised over its page), the 16-bit tiers, block table, queries and output."""
+    kf, vf = formats(name)
     npg = math.ceil(n2 / PS)
-    total = n2 * per_tok2 + n16 * per_tok16 + 4 * npg + 2 * 2 * HQ * D
-    if key_layout == "channel":  # K metadata: a [d] fp16 scale and offset per (page, head) instead of per row
-        total += npg * HKV * 2 * 2 * D - n2 * HKV * 2 * 2
-    return batch * total
+    quant = npg * PS * (kf.bytes_per_token + vf.bytes_per_token)
+    return int(batch * (quant + n16 * 2 * HKV * D * 2 + 4 * npg + 2 * 2 * HQ * D))
 
 
 def bench_sdpa_decode(batch: int, ctx: int) -> tuple[float, str]:
-    """BF16 decode with SDPA: one query token per sequence, GQA through ``enable_gqa`` (the KV cache is read once,
-    not repeated). cuDNN backend first; returns (ms, backend used)."""
+    """BF16 decode with SDPA over ``ctx`` keys: one query token per sequence, GQA through ``enable_gqa``. cuDNN
+    backend first; returns (ms, backend used)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)
@@ -122,7 +131,7 @@ def bench_sdpa_decode(batch: int, ctx: int) -> tuple[float, str]:
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def fn():
+        def fn(backend=backend):
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         try:
@@ -132,286 +141,190 @@ def bench_sdpa_decode(batch: int, ctx: int) -> tuple[float, str]:
     raise RuntimeError("no SDPA backend ran")
 
 
-def bench_decode(batch: int, ctx: int, impls: list[str], with_sdpa: bool) -> dict:
-    from oscarkv.kernels.decode_cuda import decode_attention_cuda
-    from oscarkv.kernels.decode_triton import decode_attention_triton
+def check_decode(out, q, kp, vp, bt, qlen, k16, v16, len16, nseq: int = 2) -> float:
+    """Relative error of ``out`` against the float64 reference on the first ``nseq`` sequences."""
+    n = min(nseq, q.shape[0])
+    ref = decode_attention_ref(q[:n], kp, vp, bt[:n], qlen[:n], k16[:n], v16[:n], len16[:n], dtype=torch.float64)
+    return ((out[:n].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
-    q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx)
-    nbytes = decode_bytes(batch, n2, min(ctx, W16))
-    row = {"batch": batch, "context": ctx, "tokens_2bit": n2, "bytes": nbytes}
+
+def bench_decode_row(name: str, batch: int, ctx: int, before=None) -> dict:
+    q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(name, batch, ctx)
+    nbytes = decode_bytes(name, batch, n2, min(ctx, W16))
+    row = {"format": name, "batch": batch, "context": ctx, "tokens_quantized": n2, "bytes": nbytes}
     out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    for impl in impls:
-        # "cuda[:N][:mk|:fm][:f|:s][:<variant>...]": N programs per SM, separate merge kernel / fused last-CTA
-        # merge, both tiers in one launch / one per tier, compile-time variants of the 2-bit loop (any names of
-        # decode_cuda.VARIANTS, e.g. subn, lazy, l2pf, cpa, cpa3, qk2, pdl, or "none"; they replace the library's
-        # default, which applies when none is named); "triton[:warps]"
-        from oscarkv.kernels.decode_cuda import VARIANTS
-
-        name, *opts = impl.split(":")
-        ppsm = next((int(o) for o in opts if o.isdigit()), None)
-        kw = {"merge": "kernel"} if "mk" in opts else {"merge": "fused"} if "fm" in opts else {}
-        if "f" in opts or "s" in opts:
-            kw["fused"] = "f" in opts
-        picked = [o for o in opts if o in VARIANTS or o == "none"]
-        if name == "cuda" and picked:
-            kw["variant"] = "+".join(o for o in picked if o != "none") or "none"
-        plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda",
-                          **({"programs_per_sm": ppsm} if ppsm and name == "cuda" else {})).update(batch)
-        try:
-            if name == "cuda":
-                fn = lambda: decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out, **kw)  # noqa
-            else:  # triton, triton:nw
-                nw = ppsm or 4
-                fn = lambda: decode_attention_triton(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan,  # noqa
-                                                     out=out, num_warps=nw)
-            ms = timeit(fn)
-            row[impl] = {"ms": ms, "TBps": nbytes / ms / 1e9, "splits": plan.num_splits}
-        except Exception as e:  # report and keep going: one failing variant must not hide the others
-            row[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    del q, kp, vp, bt, k16, v16
-    torch.cuda.empty_cache()
-    if with_sdpa:
-        try:
-            row["sdpa_bf16_ms"], row["sdpa_backend"] = bench_sdpa_decode(batch, ctx)
-        except Exception as e:
-            row["sdpa_bf16_ms"] = None
-            row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        torch.cuda.empty_cache()
+    plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
+    impls = {"ours": lambda: dispatch.decode_attention(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)}
+    if before is not None:
+        dc_b, plan_cls = before
+        plan_b = plan_cls(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
+        out_b = torch.empty_like(out)
+        impls["before"] = lambda: dc_b.decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan_b,
+                                                             out=out_b)
+    try:
+        impls["ours"]()
+        row["kernel"] = "cuda" if dispatch._cuda_decode_why_not(q, kp, vp, k16) is None else "triton"
+        row["rel_err"] = check_decode(out, q, kp, vp, bt, qlen, k16, v16, len16)
+        row["check"] = "ok" if row["rel_err"] < DECODE_BUDGET else "FAIL"
+        if before is not None:
+            impls["before"]()
+            row["before_rel_err"] = check_decode(out_b, q, kp, vp, bt, qlen, k16, v16, len16)
+        order = ["ours", "before", "ours", "before"] if before is not None else ["ours"]
+        times: dict[str, list[float]] = {}
+        for impl in order:
+            times.setdefault(impl, []).append(timeit(impls[impl]))
+        for impl, ts in times.items():
+            ms = min(ts)  # the better of the interleaved medians (drift between them is reported)
+            row[f"{impl}_ms"] = ms
+            row[f"{impl}_GBps"] = nbytes / ms / 1e6
+            row[f"{impl}_ms_runs"] = ts
+        row["splits"] = plan.num_splits
+    except Exception as e:  # noqa: BLE001 - report and keep going: one failing format must not hide the others
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     return row
 
 
-def bench_channel_decode(batch: int, ctx: int) -> dict:
-    """Decode with keys in channel pages (Triton) next to token pages (Triton and CUDA C++), same shapes and
-    the same random code bytes; issue 9's target: channel within 10% of the token format."""
-    from oscarkv.kernels.decode_cuda import decode_attention_cuda
-    from oscarkv.kernels.decode_triton import decode_attention_triton
-
-    row = {"batch": batch, "context": ctx}
-    out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    for layout in ("token", "channel"):
-        q, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(batch, ctx, key_layout=layout)
-        nbytes = decode_bytes(batch, n2, min(ctx, W16), layout)
-        row[f"bytes_{layout}"] = nbytes
-        def variant(**kw):
-            return lambda *a, **k: decode_attention_triton(*a, **kw, **k)
-
-        impls = [("triton", variant()), ("cuda", decode_attention_cuda)] if layout == "token" else \
-            [("triton", variant()), ("tritondequant", variant(kfold="dequant")),
-             ("tritonnocap", variant(maxnreg=0)), ("tritondequantnocap", variant(kfold="dequant", maxnreg=0))]
-        for name, fn_ in impls:
-            plan = DecodePlan(batch, HQ, HKV, D, PS, bt.shape[1], W16, device="cuda").update(batch)
-            fn = lambda: fn_(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, out=out)  # noqa: E731
-            try:
-                ms = timeit(fn)
-                row[f"{name}_{layout}"] = {"ms": ms, "TBps": nbytes / ms / 1e9, "splits": plan.num_splits}
-            except Exception as e:
-                row[f"{name}_{layout}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        del q, kp, vp, bt, k16, v16
-        torch.cuda.empty_cache()
-    ch = row["triton_channel"].get("ms")
-    best = [v["ms"] for k, v in row.items() if k.endswith("_channel") and isinstance(v, dict) and "ms" in v]
-    row["best_channel_ms"] = min(best) if best else None
-    for ref in ("triton_token", "cuda_token"):
-        t = row[ref].get("ms")
-        row[f"channel_over_{ref}"] = ch / t if ch and t else None
-        row[f"best_channel_over_{ref}"] = min(best) / t if best and t else None
-    return row
-
-
-def bench_channel_write_extend(n: int, prefix: int, chunk: int) -> dict:
-    """Whole-page quantize/write of K (channel pages) + V (token pages), and extend over a channel-page prefix,
-    each next to the token-page equivalent."""
-    from oscarkv.kernels.extend_triton import extend_attention_triton
-    from oscarkv.kernels.quantize_triton import quantize_write_triton
-
-    res = {"rows": n, "prefix": prefix, "chunk": chunk}
-    for layout in ("token", "channel"):
-        kf = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS, layout=layout)
-        vf = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
-        kp, vp = QuantPages.allocate(kf, n // PS, "cuda"), QuantPages.allocate(vf, n // PS, "cuda")
-        k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        slots = (torch.randperm(n // PS, device="cuda")[:, None] * PS + torch.arange(PS, device="cuda")).view(-1)
-        fn = lambda: quantize_write_triton(kp, vp, k, v, slots, v_clip=0.92, check_pages=False)  # noqa: E731
-        res[f"write_{layout}_ms"] = timeit(fn)
-        del kp, vp, k, v
-        q0, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(1, prefix, key_layout=layout)
-        q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
-        kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
-        vn = torch.randn_like(kn)
-        # the fused kernel (as in the sessions before 16: the channel/token comparison), and the default (the
-        # cuDNN fold since session 16; host lengths, so that it is the one captured)
-        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, fold="dequant")  # noqa
-        hl = (qlen.tolist(), len16.tolist())
-        fd = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, host_lengths=hl)  # noqa
-        try:
-            res[f"extend_{layout}_ms"] = timeit(fn, reps=10)
-            res[f"extend_{layout}_default_ms"] = timeit(fd, reps=10)
-        except Exception as e:
-            res[f"extend_{layout}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        torch.cuda.empty_cache()
-    return res
-
-
-def bench_quantize(n: int, rotate: bool) -> dict:
-    from oscarkv.kernels.quantize_triton import quantize_write_triton
-
-    fmt = PageFormat(num_kv_heads=HKV, head_dim=D, page_size=PS)
-    kp, vp = QuantPages.allocate(fmt, n // PS + 1, "cuda"), QuantPages.allocate(fmt, n // PS + 1, "cuda")
-    k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm((n // PS + 1) * PS, device="cuda")[:n]
-    r = torch.linalg.qr(torch.randn(D, D, device="cuda"))[0] if rotate else None
-    mu = torch.randn(HKV, D, device="cuda") if rotate else None
-    fn = lambda: quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_mean=mu, v_mean=mu,  # noqa
-                                       k_clip=0.96, v_clip=0.92)
-    ms = timeit(fn)
-    nbytes = 2 * n * HKV * (D * 2 + D // 4 + 4) + n * 8
-    return {"rows": n, "rotate": rotate, "ms": ms, "bytes": nbytes, "TBps": nbytes / ms / 1e9}
-
-
-def bench_extend(prefix: int, chunk: int) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def bench_extend_row(name: str, prefix: int, chunk: int) -> dict:
+    """Prefill of ``chunk`` tokens over a ``prefix``-token cache (one sequence): the default path (the cuDNN fold,
+    host lengths given so that it is the one captured) and the fused kernel; BF16 cuDNN over the same keys."""
     from oscarkv.kernels.extend_triton import extend_attention_triton
 
-    q0, kp, vp, bt, qlen, k16, v16, len16, n2 = make_cache(1, prefix)
+    _, kp, vp, bt, qlen, k16, v16, len16, _ = make_cache(name, 1, prefix)
     q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
     kn = torch.randn(1, chunk, HKV, D, device="cuda", dtype=torch.bfloat16)
     vn = torch.randn_like(kn)
-    res = {"prefix": prefix, "chunk": chunk}
-    # the launcher default (fold="sdpa" where cuDNN attention runs: host lengths given, so that it is
-    # graph-capturable), and the fused kernel (fold="dequant", nothing materialised) at two tile geometries
     hl = (qlen.tolist(), len16.tolist())
-    for name, kw in (("ours_default", {"host_lengths": hl}), ("ours_sdpa_seg8k", {"fold": "sdpa", "host_lengths": hl,
-                                                                               "segment_tokens": 8192})):
-        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)  # noqa
+    res = {"format": name, "prefix": prefix, "chunk": chunk}
+    for impl, kw in (("default", {"host_lengths": hl}), ("fused", {"fold": "fused"})):
+        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)
         try:
-            res[f"{name}_ms"] = timeit(fn, reps=10)
-            res[f"{name}_eager_ms"] = timeit(fn, reps=10, graph=False)
-        except Exception as e:
-            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    for bm, bn, nw in ((64, 64, 4), (128, 64, 8)):
-        fn = lambda: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, block_m=bm,  # noqa
-                                             block_n=bn, num_warps=nw, fold="dequant")
-        try:
-            res[f"ours_bm{bm}_nw{nw}_ms"] = timeit(fn, reps=10)
-        except Exception as e:
-            res[f"ours_bm{bm}_nw{nw}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    qs = q.transpose(1, 2)
-    ks = torch.randn(1, HKV, prefix + chunk, D, device="cuda", dtype=torch.bfloat16)
-    vs = torch.randn_like(ks)
-    for name, backends in (("sdpa_cudnn_ms", [SDPBackend.CUDNN_ATTENTION]),
-                           ("sdpa_flash_ms", [SDPBackend.FLASH_ATTENTION])):
-        def fn():
-            with sdpa_kernel(backends):
-                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-        try:
-            res[name] = timeit(fn, reps=10)
-        except Exception as e:
-            res[name.replace("_ms", "_error")] = f"{type(e).__name__}: {str(e)[:200]}"
+            res[f"{impl}_ms"] = timeit(fn, reps=10)
+        except Exception as e:  # noqa: BLE001 - report and keep going
+            res[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    torch.cuda.empty_cache()
     return res
 
 
-def _best(row: dict, prefix: str) -> tuple[str, dict] | None:
-    cands = [(k, v) for k, v in row.items() if k.startswith(prefix) and isinstance(v, dict) and "ms" in v]
-    return min(cands, key=lambda kv: kv[1]["ms"]) if cands else None
+def bench_sdpa_extend(prefix: int, chunk: int) -> float:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = torch.randn(1, HKV, prefix + chunk, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(1, HQ, chunk, D, device="cuda", dtype=torch.bfloat16)
+
+    def fn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return timeit(fn, reps=10)
 
 
-def markdown(res: dict) -> str:
-    lines = [f"Provenance: {json.dumps(res['provenance'])}", "",
-             f"Decode, Qwen3-8B attention shapes (32/8 heads, d=128), 2-bit pages of 64 + 320 tokens in 16-bit; "
-             f"'ours' = `{res['best_impl']}` (default plan); cold L2, CUDA-graph replay, median.", "",
-             "| context | batch | ours ms | TB/s | % of 4.7 | BF16 SDPA ms | speed-up | best variant | Triton ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for row in res["decode"]:
-        o = row.get(res["best_impl"], {})
-        if "ms" not in o:
+def bench_quantize_row(name: str, n: int) -> dict:
+    """Quantize/write of ``n`` bfloat16 K and V rows into shuffled whole pages (the default clips; none for
+    channel-page keys)."""
+    kf, vf = formats(name)
+    kp, vp = QuantPages.allocate(kf, n // PS, "cuda"), QuantPages.allocate(vf, n // PS, "cuda")
+    k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = (torch.randperm(n // PS, device="cuda")[:, None] * PS + torch.arange(PS, device="cuda")).view(-1)
+    kc = 0.0 if kf.channel else 0.96
+    fn = lambda: dispatch.quantize_write(kp, vp, k, v, slots, k_clip=kc, v_clip=0.92, check_pages=False)
+    ms = timeit(fn)
+    nbytes = 2 * n * HKV * D * 2 + n * (kf.bytes_per_token + vf.bytes_per_token) + 8 * n
+    return {"format": name, "rows": n, "ms": ms, "bytes": int(nbytes), "GBps": nbytes / ms / 1e6}
+
+
+def load_before(path: str):
+    """(decode_cuda module, DecodePlan class) of the kernels in ``path/oscarkv_before``."""
+    sys.path.insert(0, path)
+    dc = importlib.import_module("oscarkv_before.kernels.decode_cuda")
+    plan = importlib.import_module("oscarkv_before.kernels.plan").DecodePlan
+    return dc, plan
+
+
+def prebuild_all(names: list[str], before) -> None:
+    """Build every cubin the rows will load, in parallel, before anything is timed."""
+    from oscarkv.kernels import decode_cuda
+
+    for name in names:
+        kf, vf = formats(name)
+        decode_cuda.prebuild(kf, HQ, torch.bfloat16, torch.bfloat16, 64, v_fmt=vf)
+    if before is not None:
+        before[0].prebuild(formats("token2/token2")[0], HQ, torch.bfloat16, torch.bfloat16, 64)
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (context, batch): each format's time per byte read against the 2-bit token format's (the target:
+    within 1.1x), and the speed-up over BF16 cuDNN."""
+    out = []
+    base = {(r["context"], r["batch"]): r for r in rows if r["format"] == "token2/token2" and "ours_ms" in r}
+    for r in rows:
+        b = base.get((r["context"], r["batch"]))
+        if "ours_ms" not in r or b is None:
             continue
-        sd = row.get("sdpa_bf16_ms")
-        sd_s = "n/a" if sd is None else f"{sd:.4f} ({row.get('sdpa_backend', '?')})"
-        up = "" if not sd else f"{sd / o['ms']:.2f}x"
-        bv = _best(row, "cuda")
-        bv_s = "" if bv is None else f"{bv[0]} {bv[1]['ms']:.4f}"
-        tr = _best(row, "triton")
-        tr_s = "" if tr is None else f"{tr[1]['ms']:.4f} ({tr[0]})"
-        pct = 100 * o["TBps"] / READ_CEILING_TBS
-        lines.append(f"| {row['context']} | {row['batch']} | {o['ms']:.4f} | {o['TBps']:.2f} | {pct:.0f}% | "
-                     f"{sd_s} | {up} | {bv_s} | {tr_s} |")
-    for qrow in res.get("quantize", []):
-        lines.append(f"\nquantize_write {qrow['rows']} rows x 8 heads, K+V, rotate={qrow['rotate']}: "
-                     f"{qrow['ms']:.4f} ms, {qrow['TBps']:.2f} TB/s ({100 * qrow['TBps'] / READ_CEILING_TBS:.0f}%)")
-    for e in res.get("extend", []):
-        lines.append(f"\nextend prefix {e['prefix']} chunk {e['chunk']}: " + json.dumps(e))
-    if res.get("channel"):
-        lines += ["", "Decode with keys in channel pages (Triton) vs token pages (Triton, CUDA C++); ratio = channel "
-                  "time / token time (issue 9 target <= 1.10). Channel variants: default (scale folded into the query, "
-                  "168-register cap), `dequant` (float16 dequantized key tiles), `nocap` (no register cap).", "",
-                  "| context | batch | channel ms | dequant ms | nocap ms | dequant nocap ms | TB/s (default) "
-                  "| token Triton ms | ratio default / best | token CUDA ms | ratio default / best |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        f = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
-        for r in res["channel"]:
-            ms = [r[k].get("ms") for k in ("triton_channel", "tritondequant_channel", "tritonnocap_channel",
-                                            "tritondequantnocap_channel")]
-            lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(f(m) for m in ms) +
-                         f" | {f(r['triton_channel'].get('TBps'))} | {f(r['triton_token'].get('ms'))} | "
-                         f"{f(r['channel_over_triton_token'])} / {f(r['best_channel_over_triton_token'])} | "
-                         f"{f(r['cuda_token'].get('ms'))} | {f(r['channel_over_cuda_token'])} / "
-                         f"{f(r['best_channel_over_cuda_token'])} |")
-    for e in res.get("channel_write_extend", []):
-        lines.append("\nchannel pages, write and extend: " + json.dumps(e))
-    return "\n".join(lines)
+        per_byte = (r["ours_ms"] / r["bytes"]) / (b["ours_ms"] / b["bytes"])
+        s = {"format": r["format"], "context": r["context"], "batch": r["batch"], "ms": r["ours_ms"],
+             "GBps": r["ours_GBps"], "time_per_byte_vs_token2": per_byte, "check": r.get("check")}
+        if r.get("sdpa_bf16_ms"):
+            s["speedup_vs_cudnn"] = r["sdpa_bf16_ms"] / r["ours_ms"]
+        if "before_ms" in r:
+            s["before_ms"] = r["before_ms"]
+            s["after_over_before"] = r["ours_ms"] / r["before_ms"]
+        out.append(s)
+    return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="docs/results/kernels_h200.json")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {list(FORMATS)}")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode, extend, quantize")
+    ap.add_argument("--before", default=None, help="a directory holding an earlier checkout as oscarkv_before")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--git-sha", default="unknown")
-    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,81920,131072")
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--impls", default="cuda,triton")
-    ap.add_argument("--best", default="cuda")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,quantize,extend")
-    ap.add_argument("--channel", action="store_true",
-                    help="also time keys in channel pages (decode at --contexts x --batches, write, extend)")
-    ap.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 baseline exceeds this")
     args = ap.parse_args()
-    res = {"provenance": provenance(args.git_sha), "best_impl": args.best, "decode": [], "quantize": [],
-           "extend": [], "channel": [], "channel_write_extend": [], "read_ceiling_TBps": READ_CEILING_TBS}
-    skip = set(args.skip.split(","))
+    names = args.formats.split(",")
+    bad = [n for n in names if n not in FORMATS]
+    if bad:
+        raise SystemExit(f"unknown formats {bad}: choose from {list(FORMATS)}")
+    skip = set(filter(None, args.skip.split(",")))
+    before = load_before(args.before) if args.before else None
+    res = {"provenance": provenance(args.git_sha), "shapes": {"hq": HQ, "hkv": HKV, "d": D, "page": PS, "w16": W16},
+           "decode": [], "extend": [], "quantize": []}
+    t0 = time.time()
+    prebuild_all(names, before)
+    res["prebuild_s"] = time.time() - t0
     if "decode" not in skip:
         for ctx in map(int, args.contexts.split(",")):
-            for bs in map(int, args.batches.split(",")):
-                bf16_gb = bs * ctx * HKV * D * 2 * 2 / 1e9
-                row = bench_decode(bs, ctx, args.impls.split(","), with_sdpa=bf16_gb <= args.max_gb)
-                res["decode"].append(row)
-                cells = [f"{k}={v['ms']:.4f}ms/{v['TBps']:.2f}TB/s/s{v['splits']}" if "ms" in v
-                         else f"{k}=ERR {v['error']}" for k, v in row.items() if isinstance(v, dict)]
-                print(f"ctx {ctx} bs {bs} sdpa={row.get('sdpa_bf16_ms')}", *cells, flush=True)
-    if "quantize" not in skip:
-        for rot in (False, True):
-            res["quantize"].append(bench_quantize(32768, rot))
-            print(json.dumps(res["quantize"][-1]), flush=True)
+            for batch in map(int, args.batches.split(",")):
+                sdpa_ms, backend = bench_sdpa_decode(batch, ctx)
+                torch.cuda.empty_cache()
+                for name in names:
+                    row = bench_decode_row(name, batch, ctx, before if name == "token2/token2" else None)
+                    torch.cuda.empty_cache()
+                    row["sdpa_bf16_ms"], row["sdpa_backend"] = sdpa_ms, backend
+                    res["decode"].append(row)
+                    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_runs")}), flush=True)
+        res["decode_summary"] = summary(res["decode"])
     if "extend" not in skip:
-        res["extend"].append(bench_extend(32768, 2048))
-        print(json.dumps(res["extend"][-1]), flush=True)
-    if args.channel:
-        for ctx in map(int, args.contexts.split(",")):
-            for bs in map(int, args.batches.split(",")):
-                res["channel"].append(bench_channel_decode(bs, ctx))
-                print(json.dumps(res["channel"][-1]), flush=True)
-        res["channel_write_extend"].append(bench_channel_write_extend(32768, 32768, 2048))
-        print(json.dumps(res["channel_write_extend"][-1]), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    md = markdown(res)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md + "\n")
-    print(md)
-    return 0
+        res["extend_sdpa_bf16_ms"] = bench_sdpa_extend(32768, 2048)
+        for name in names:
+            res["extend"].append(bench_extend_row(name, 32768, 2048))
+            print(json.dumps(res["extend"][-1]), flush=True)
+    if "quantize" not in skip:
+        for name in names:
+            res["quantize"].append(bench_quantize_row(name, 32768))
+            print(json.dumps(res["quantize"][-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"{'format':16s} {'ctx':>7s} {'B':>3s} {'ms':>8s} {'GB/s':>7s} {'t/B vs t2':>9s} {'x cuDNN':>8s} "
+          f"{'after/before':>12s} check")
+    for s in res.get("decode_summary", []):
+        print(f"{s['format']:16s} {s['context']:7d} {s['batch']:3d} {s['ms']:8.4f} {s['GBps']:7.0f} "
+              f"{s['time_per_byte_vs_token2']:9.3f} {s.get('speedup_vs_cudnn', float('nan')):8.2f} "
+              f"{s.get('after_over_before', float('nan')):12.3f} {s['check']}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

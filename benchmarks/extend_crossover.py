@@ -1,4 +1,4 @@
-"""Extend over a quantized prefix: the fused Triton kernel (``fold="dequant"``, nothing materialised) against the
+"""Extend over a quantized prefix: the fused Triton kernel (``fold="fused"``, nothing materialised) against the
 cuDNN fold (``fold="sdpa"``: the prefix dequantized segment by segment into a bounded workspace, cuDNN attention
 with its log-sum-exp, a merge) across chunk lengths, prefix lengths and batch sizes, next to BF16 cuDNN SDPA over
 the same keys (non-causal, as ``bench_kernels.bench_extend``). It picks ``extend_sdpa.min_chunk``, the chunk
@@ -43,7 +43,7 @@ def row(batch: int, prefix: int, chunk: int, reps: int) -> dict:
     args = (q, kn, vn, kp, vp, bt, qlen, k16, v16, len16)
     hl = (qlen.tolist(), len16.tolist())
     r = {"batch": batch, "prefix": prefix, "chunk": chunk}
-    fused = lambda: extend_attention_triton(*args, fold="dequant")  # noqa: E731
+    fused = lambda: extend_attention_triton(*args, fold="fused")  # noqa: E731
     cud = lambda: extend_attention_triton(*args, fold="sdpa", host_lengths=hl)  # noqa: E731
     try:
         a, b = fused(), cud()

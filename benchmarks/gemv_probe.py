@@ -1,11 +1,11 @@
-"""The engine's decode GEMV (``triton_ops.gemv``) against cuBLAS (``F.linear``) at the decode projections of
+"""The engine's decode GEMV (``gemv_triton.gemv``) against cuBLAS (``F.linear``) at the decode projections of
 Qwen3-8B and Qwen3-4B, M = 1, 4, 8 rows, bfloat16, cold L2 (``bench_kernels.timeit``: CUDA-graph replays, a
 256 MiB write before each, median). TB/s counts weight + input + output bytes.
 
 Three numbers per shape: the plain GEMV (heuristic config) vs ``F.linear``; the GEMV as the model fuses it
 (RMSNorm or SiLU-gate prologue, bias, residual epilogue) vs cuBLAS plus the separate Triton op it replaces; and
 with ``--sweep`` the best of a list of tilings (printed as ``GEMV_CONFIGS`` entries to paste into
-``oscarkv/engine/triton_ops.py``).
+``oscarkv/kernels/gemv_triton.py``).
 
     PYTHONPATH=. python3 benchmarks/gemv_probe.py --sweep --out gemv_probe.json
 """
@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import READ_CEILING_TBS, timeit  # noqa: E402
 
-from oscarkv.engine import triton_ops  # noqa: E402
+from oscarkv.kernels import dense_triton, gemv_triton  # noqa: E402
 from oscarkv.engine.model import PRESETS  # noqa: E402
-from oscarkv.engine.triton_ops import GemvConfig  # noqa: E402
+from oscarkv.kernels.gemv_triton import GemvConfig  # noqa: E402
 
 
 def shapes(name: str) -> list[tuple[str, int, int, str]]:
@@ -66,26 +66,26 @@ def probe_shape(M: int, N: int, K: int, fusion: str, sweep: bool, budget: dict) 
     nbytes = (N * K + M * K + M * N) * 2
     row = {"M": M, "N": N, "K": K, "weight_mb": N * K * 2 / 1e6}
     row["cublas_ms"] = timeit(lambda: F.linear(x, w))
-    cfg = triton_ops.gemv_config(M, N, K)
+    cfg = gemv_triton.gemv_config(M, N, K)
     row["triton_config"] = repr(cfg)
-    row["triton_ms"] = timeit(lambda: triton_ops.gemv(x, w))
+    row["triton_ms"] = timeit(lambda: gemv_triton.gemv(x, w))
     row["cublas_tbs"], row["triton_tbs"] = tbs(nbytes, row["cublas_ms"]), tbs(nbytes, row["triton_ms"])
     # as the model runs it (fused) vs cuBLAS + the separate op (Block.forward)
     nw = (torch.rand(K, device="cuda", generator=g) + 0.5).bfloat16()
     res = torch.randn(M, N, device="cuda", generator=g).bfloat16()
     if fusion == "norm":
-        fused = lambda: triton_ops.gemv(x, w, norm=nw)  # noqa: E731
-        unfused = lambda: F.linear(triton_ops.rmsnorm(x, nw, 1e-6, x)[0], w)  # noqa: E731  (norm with residual add)
+        fused = lambda: gemv_triton.gemv(x, w, norm=nw)  # noqa: E731
+        unfused = lambda: F.linear(dense_triton.rmsnorm(x, nw, 1e-6, x)[0], w)  # noqa: E731  (norm with residual add)
     elif fusion == "residual":
-        fused = lambda: triton_ops.gemv(x, w, residual=res)  # noqa: E731
+        fused = lambda: gemv_triton.gemv(x, w, residual=res)  # noqa: E731
         unfused = lambda: F.linear(x, w)  # noqa: E731  (the add runs inside the next RMSNorm)
     else:
         gu = torch.randn(M, 2 * K, device="cuda", generator=g).bfloat16()
-        fused = lambda: triton_ops.gemv(gu, w, act="silu", residual=res)  # noqa: E731
-        unfused = lambda: F.linear(triton_ops.silu_mul(gu), w)  # noqa: E731
+        fused = lambda: gemv_triton.gemv(gu, w, act="silu", residual=res)  # noqa: E731
+        unfused = lambda: F.linear(dense_triton.silu_mul(gu), w)  # noqa: E731
     row["fusion"] = fusion
     row["fused_ms"], row["unfused_ms"] = timeit(fused), timeit(unfused)
-    err = (triton_ops.gemv(x, w).float() - F.linear(x.float(), w.float())).abs().max().item()
+    err = (gemv_triton.gemv(x, w).float() - F.linear(x.float(), w.float())).abs().max().item()
     row["max_abs_err_vs_fp32"] = err
     if sweep:
         best = (row["triton_ms"], repr(cfg))
@@ -96,7 +96,7 @@ def probe_shape(M: int, N: int, K: int, fusion: str, sweep: bool, budget: dict) 
                 break
             t = time.monotonic()
             try:
-                ms = timeit(lambda: triton_ops.gemv(x, w, config=c))
+                ms = timeit(lambda: gemv_triton.gemv(x, w, config=c))
             except Exception as e:  # a tiling that does not compile or fit: skip it, keep the reason
                 tried.append({"config": repr(c), "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 continue
@@ -152,7 +152,7 @@ def main() -> int:
                 best = ""
                 if "best_ms" in row:
                     best = f"{row['best_ms'] * 1e3:7.1f} us {row['best_tbs']:.2f} TB/s {row['best_config']}"
-                    mp = triton_ops._p2(M)
+                    mp = gemv_triton._p2(M)
                     if row["best_config"] != row["triton_config"]:
                         suggestions[(mp, N, K)] = row["best_config"]
                 print(f"   {proj:8s} {N:6d} {K:6d} | {row['cublas_ms'] * 1e3:7.1f} {row['cublas_tbs']:.2f} | "
@@ -164,7 +164,7 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
     if suggestions:
-        print("GEMV_CONFIGS entries (paste into oscarkv/engine/triton_ops.py; key = (padded rows, N, K)):")
+        print("GEMV_CONFIGS entries (paste into oscarkv/kernels/gemv_triton.py; key = (padded rows, N, K)):")
         for k, v in sorted(suggestions.items()):
             print(f"    {k}: {v},")
     res["suggestions"] = {str(k): v for k, v in suggestions.items()}

@@ -28,16 +28,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oscarkv.cli.bench import PEAK_BW, provenance  # noqa: E402
-from oscarkv.engine import ops, triton_ops  # noqa: E402
+from oscarkv.kernels import dense_triton, gemv_triton  # noqa: E402
+from oscarkv.kernels import dispatch as ops  # noqa: E402
 from oscarkv.engine.model import PRESETS  # noqa: E402
-from oscarkv.engine.triton_ops import GemvConfig  # noqa: E402
+from oscarkv.kernels.gemv_triton import GemvConfig  # noqa: E402
 
 PROJ = ("qkv", "o_proj", "gate_up", "down")
 
 
 def config_sets() -> dict[str, dict[str, GemvConfig | None]]:
-    """Named GEMV configurations per projection (None: ``triton_ops.gemv_config``'s choice)."""
-    return triton_ops.GEMV_SETS
+    """Named GEMV configurations per projection (None: ``gemv_triton.gemv_config``'s choice)."""
+    return gemv_triton.GEMV_SETS
 
 
 class Layers:
@@ -85,19 +86,19 @@ class Layers:
         def run() -> torch.Tensor:
             x = self.x0
             for i, lw in enumerate(self.w):
-                qkv = triton_ops.gemv(x, lw["qkv"], norm=self.norms[0], eps=eps, config=cfgs["qkv"], pdl=pdl)
+                qkv = gemv_triton.gemv(x, lw["qkv"], norm=self.norms[0], eps=eps, config=cfgs["qkv"], pdl=pdl)
                 if attn:
                     kvl = self.kv[i]
                     dest = ops.KVDest(kvl, self.off, kvl.stride(0), kvl.stride(2))
-                    qh, _ = triton_ops.qk_prep(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin,
+                    qh, _ = dense_triton.qk_prep(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin,
                                                self.qk_norm, self.qk_norm, eps, out=dest, pdl=pdl)
-                    o = triton_ops.paged_decode(qh, kvl, self.block_table, self.lens, c.head_dim ** -0.5,
+                    o = dense_triton.paged_decode(qh, kvl, self.block_table, self.lens, c.head_dim ** -0.5,
                                                 self.max_len, pdl=pdl).reshape(1, -1)
                 else:
                     o = qkv[:, :q]  # stands in for the attention output (row stride 6144)
-                x = triton_ops.gemv(o, lw["o_proj"], residual=x, config=cfgs["o_proj"], pdl=pdl)
-                gu = triton_ops.gemv(x, lw["gate_up"], norm=self.norms[1], eps=eps, config=cfgs["gate_up"], pdl=pdl)
-                x = triton_ops.gemv(gu, lw["down"], act="silu", residual=x, config=cfgs["down"], pdl=pdl)
+                x = gemv_triton.gemv(o, lw["o_proj"], residual=x, config=cfgs["o_proj"], pdl=pdl)
+                gu = gemv_triton.gemv(x, lw["gate_up"], norm=self.norms[1], eps=eps, config=cfgs["gate_up"], pdl=pdl)
+                x = gemv_triton.gemv(gu, lw["down"], act="silu", residual=x, config=cfgs["down"], pdl=pdl)
             return x
         return run
 
@@ -157,7 +158,7 @@ def main() -> int:
     wb = layers.weight_bytes()
     sets = config_sets()
     res = {"provenance": provenance(), "model": args.model, "layers": layers.n, "ctx": args.ctx, "weight_bytes": wb,
-           "pdl_available": triton_ops.pdl_available(layers.x0), "peak_bw": PEAK_BW,
+           "pdl_available": dense_triton.pdl_available(layers.x0), "peak_bw": PEAK_BW,
            "configs": {k: {p: repr(v) for p, v in sets[k].items()} for k in args.configs.split(",")}, "rows": []}
     print(f"== {args.model}: {layers.n} layers, {wb / 1e9:.2f} GB of weights (floor {wb / PEAK_BW * 1e3:.3f} ms), "
           f"layer chain attends over {args.ctx} tokens; pdl available: {res['pdl_available']}", flush=True)

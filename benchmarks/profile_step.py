@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--kv", default="bf16,oscar")
     ap.add_argument("--gemv", default="cublas", help="comma-separated: auto, cublas, triton (LLM(gemv=...))")
     ap.add_argument("--pdl", default="on", type=bench.parse_pdl,
-                    help="off, on or off,on (LLM(pdl=...)); items may add :SET, a GEMV set of triton_ops.GEMV_SETS")
+                    help="off, on or off,on (LLM(pdl=...)); items may add :SET, a GEMV set of gemv_triton.GEMV_SETS")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default="profile_step.json")
     args = ap.parse_args()

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pdl", default="on", type=parse_pdl,
                    help="programmatic dependent launch of the decode step's kernels (LLM(pdl=...)): off, on, or "
                         "off,on to time every latency/throughput row both ways in one run (compared at the end); "
-                        "an item may name a one-row GEMV set of triton_ops.GEMV_SETS, e.g. off,on,on:splitk1")
+                        "an item may name a one-row GEMV set of gemv_triton.GEMV_SETS, e.g. off,on,on:splitk1")
     p.add_argument("--suites", default="memory,latency,throughput",
                    help="comma-separated subset of memory, latency, throughput")
     p.add_argument("--out", default="e2e.json", help="JSON results file (PNG plots are written next to it)")
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_pdl(text: str) -> list[tuple[bool, str]]:
     """``off`` / ``on`` / ``off,on`` (also 0/1, false/true), each optionally ``:SET`` (a GEMV set of
-    ``triton_ops.GEMV_SETS``) -> the (pdl, set) variants to time, in order."""
+    ``gemv_triton.GEMV_SETS``) -> the (pdl, set) variants to time, in order."""
     names = {"off": False, "0": False, "false": False, "on": True, "1": True, "true": True}
     out = []
     for item in (v.strip().lower() for v in text.split(",") if v.strip()):
@@ -64,12 +64,12 @@ def variant_name(pdl: bool, gset: str = "default") -> str:
 
 @contextlib.contextmanager
 def gemv_set(model, name: str):
-    """Enter the one-row GEMV set ``name`` (``triton_ops.GEMV_SETS``) into ``GEMV_CONFIGS`` for ``model``'s
+    """Enter the one-row GEMV set ``name`` (``gemv_triton.GEMV_SETS``) into ``GEMV_CONFIGS`` for ``model``'s
     projection shapes for the duration (builds, captures and replays inside see it)."""
     if name == "default":
         yield
         return
-    from oscarkv.engine import triton_ops
+    from oscarkv.kernels import gemv_triton as triton_ops
 
     if name not in triton_ops.GEMV_SETS:
         raise ValueError(f"unknown GEMV set {name!r}: {sorted(triton_ops.GEMV_SETS)}")
@@ -362,7 +362,9 @@ def run_checks(log) -> dict:
 
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
-    from oscarkv.engine import LLM, SamplingParams, ops, triton_ops
+    from oscarkv.engine import LLM, SamplingParams
+    from oscarkv.kernels import dense_triton
+    from oscarkv.kernels import reference as ops
     from oscarkv.engine.attention import PrefillCtx
     from oscarkv.engine.llm import identity_of
     from oscarkv.rotation import random_orthogonal
@@ -370,16 +372,16 @@ def run_checks(log) -> dict:
     dev, res = "cuda", {}
     torch.manual_seed(0)
     x, r, w = (torch.randn(8, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    y, _ = triton_ops.rmsnorm(x, w[0], 1e-6, r)
-    res["rmsnorm_max_err"] = (y.float() - ops.rmsnorm_torch(x + r, w[0], 1e-6).float()).abs().max().item()
+    y, _ = dense_triton.rmsnorm(x, w[0], 1e-6, r)
+    res["rmsnorm_max_err"] = (y.float() - ops.rmsnorm_ref(x + r, w[0], 1e-6).float()).abs().max().item()
     qkv = torch.randn(8, 48 * 128, device=dev, dtype=torch.bfloat16)
     ang = torch.rand(8, 64, device=dev)
     cs = [t.to(torch.bfloat16) for t in (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin())]
     rk = torch.linalg.qr(torch.randn(8, 128, 128, device=dev))[0]
     mu = torch.randn(8, 128, device=dev)
     nw = torch.rand(128, device=dev, dtype=torch.bfloat16) + 0.5
-    a = triton_ops.qk_prep(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
-    b = ops.qk_prep_torch(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
+    a = dense_triton.qk_prep(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
+    b = ops.qk_prep_ref(qkv, 32, 8, 128, *cs, nw, nw, 1e-6, rk, mu)
     res["qk_prep_max_err"] = max((a[i].float() - b[i].float()).abs().max().item() for i in range(2))
     cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -449,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("oscarkv bench needs a CUDA GPU (the CPU correctness checks are the test suite); "
                          "--plot JSON redraws an earlier run's plots without one")
     pdls = tuple(args.pdl) if isinstance(args.pdl, list) else tuple(parse_pdl(str(args.pdl)))
-    from oscarkv.engine import triton_ops
+    from oscarkv.kernels import gemv_triton as triton_ops
 
     unknown = [g for _, g in pdls if g not in triton_ops.GEMV_SETS]
     if unknown:

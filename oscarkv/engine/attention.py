@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import reference as ref
-from . import ops
+from ..kernels import dispatch as ops
 from .kv import Bf16Pool, KVPool, OscarPool
 
 
@@ -161,7 +161,7 @@ class DecodeCtx(_Ctx):
         assert isinstance(pool, OscarPool)
         buf = pool.buf[:, layer]
         kp, vp = pool.pages[0][layer], pool.pages[1][layer]
-        if not ops.use_triton(q) and kv is not None:  # reference: the new token attends to itself unrounded
+        if not ops.uses_kernels(q) and kv is not None:  # reference: the new token attends to itself unrounded
             out = self._extend(q[:, None], kv[0][:, None], kv[1][:, None], kp, vp, self.block_table, self.qlen,
                                buf[0, : self.bs], buf[1, : self.bs], self.lens - 1, sm_scale=self.sm_scale)[:, 0]
             self.write_kv(layer, kv)

@@ -63,9 +63,10 @@ def _prebuild_decode(pool: OscarPool, num_q_heads: int, act_dtype: torch.dtype, 
 
     ready = 0
     try:
-        for fmt in dict.fromkeys(k for k, _ in pool.formats):  # the key pools' formats (channel pages: Triton)
+        for k_fmt, v_fmt in dict.fromkeys(pool.formats):  # each layer's (K, V) pool formats
             for q_dtype in dict.fromkeys((act_dtype, pool.dtype)):
-                ready += len(decode_cuda.prebuild(fmt, num_q_heads, q_dtype, pool.dtype, pool.max_slots, pdl=pdl))
+                ready += len(decode_cuda.prebuild(k_fmt, num_q_heads, q_dtype, pool.dtype, pool.max_slots,
+                                                  v_fmt=v_fmt, pdl=pdl))
     except Exception as e:  # noqa: BLE001 - a start-up optimisation must not stop the engine
         log.warning("the CUDA decode kernel was not built at start (%s); it builds on first use", str(e)[:300])
     return ready

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import ops
+from ..kernels import dispatch as ops
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -166,7 +166,7 @@ def pdl_default() -> bool:
 class Transformer(nn.Module):
     """``forward(tokens [N], positions [N], ctx, last [M] | None) -> logits [M, vocab]`` (float32).
 
-    ``gemv``: "cublas" (``nn.Linear`` everywhere), "triton" (decode steps of up to ``triton_ops.GEMV_MAX_M``
+    ``gemv``: "cublas" (``nn.Linear`` everywhere), "triton" (decode steps of up to ``kernels.dispatch.GEMV_MAX_M``
     rows on CUDA run the fused Triton GEMV, :meth:`Block.forward_gemv`) or "auto" (the default: the Triton GEMV
     for ``GEMV_AUTO_MAX_M`` rows, where it measured faster); prefill and larger batches keep ``nn.Linear``.
 
@@ -207,11 +207,10 @@ class Transformer(nn.Module):
         self.pdl = pdl_default() if pdl is None else bool(pdl)
 
     def _use_gemv(self, x: Tensor) -> bool:
-        if self.gemv == "cublas" or not ops.use_triton(x):
+        if self.gemv == "cublas" or not ops.uses_kernels(x):
             return False
-        from .triton_ops import GEMV_MAX_M  # noqa: PLC0415
 
-        return x.shape[0] <= (GEMV_MAX_M if self.gemv == "triton" else GEMV_AUTO_MAX_M)
+        return x.shape[0] <= (ops.GEMV_MAX_M if self.gemv == "triton" else GEMV_AUTO_MAX_M)
 
     def step_pdl(self, x: Tensor, last: Tensor | None = None) -> bool:
         """Whether a forward on ``x``'s device runs its kernels as programmatic dependents: ``pdl`` set, a decode
@@ -224,7 +223,7 @@ class Transformer(nn.Module):
         if pdl:  # one kernel of ours instead of six torch ops: the step's chain of PDL kernels starts here
             x, cos, sin = ops.embed_rope(tokens, positions, w, self.inv_freq2, self.rope_scaling, pdl=True)
         else:
-            x, cos, sin = ops.embed_rope_torch(tokens, positions, w, self.inv_freq2, self.rope_scaling)
+            x, cos, sin = ops.embed_rope(tokens, positions, w, self.inv_freq2, self.rope_scaling, backend="reference")
         if last is None and self._use_gemv(x):
             for block in self.layers:
                 x = block.forward_gemv(x, cos, sin, ctx, pdl)
@@ -239,7 +238,7 @@ class Transformer(nn.Module):
         return self.lm_head(ops.rmsnorm(x, self.norm.weight, self.norm.eps, residual, pdl=pdl)[0]).float()
 
     def gemv_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(N, K)`` of each decode projection's weight (the keys of ``triton_ops.GEMV_SETS``) and lm_head."""
+        """``(N, K)`` of each decode projection's weight (the keys of ``kernels.gemv_triton.GEMV_SETS``) and lm_head."""
         a, blk = self.layers[0].attn, self.layers[0]
         return {"qkv": tuple(a.qkv.weight.shape), "o_proj": tuple(a.o_proj.weight.shape),
                 "gate_up": tuple(blk.gate_up.weight.shape), "down": tuple(blk.down.weight.shape),

@@ -1,24 +1,20 @@
-"""Prefill/extend over a quantized prefix through cuDNN's fused attention (``fold="sdpa"`` of
-:func:`~oscarkv.kernels.extend_triton.extend_attention_triton`, the default on CUDA where cuDNN attention runs).
+"""Prefill/extend over a quantized prefix through cuDNN's fused attention (the default path of
+:func:`~oscarkv.kernels.extend_triton.extend_attention_triton` for long chunks on CUDA).
 
-Per sequence, the stored prefix is attended in segments of at most ``segment_tokens`` tokens: a segment's 2-bit
-pages are dequantized (:func:`~oscarkv.kernels.extend_dense._dequant_ws_kernel`, the fused kernel's values
-``o + c s`` rounded once to float16, stored in the query's 16-bit dtype) into a bounded, reused workspace, the
-16-bit tiers copied in front of the first segment, and cuDNN attention runs over it with its log-sum-exp. The
+Per sequence, the stored prefix is attended in segments of at most ``segment_tokens`` tokens: a segment's
+quantized pages are dequantized (:func:`~oscarkv.kernels.dequant_triton.dequant_pages_into`, the fused kernel's
+values ``o + c s`` rounded once to float16, stored in the query's 16-bit dtype) into a bounded, reused workspace,
+the 16-bit tiers copied in front of the first segment, and cuDNN attention runs over it with its log-sum-exp. The
 prefix is not causal, so the GQA group folds into the query rows (``[Hkv, T G, d]``: one K/V head per query
 head group, no repetition). The chunk attends to itself causally in one cuDNN call for the whole batch. The
 partial outputs are merged by their log-sum-exps (:func:`_merge_kernel`), which also writes the output in the
 query's layout.
 
-Why: the fused kernel (``fold="dequant"``) unpacks every tile in registers and runs at 1.96x BF16 cuDNN at the
-benchmark shape (2048-token chunk over 32K, H200); plain Triton flash attention over a bfloat16 prefix is itself
-1.27x cuDNN there, so no Triton loop can reach cuDNN's Hopper pipeline. Dequantizing a segment costs one pass
-writing ``2 Hkv S d`` 16-bit values (134 MB at 32K x 8 heads x d 128, ~0.05 ms), small next to the attention.
-
 What it costs: a transient workspace of ``2 Hkv (segment_tokens + C16) d`` 16-bit values (at most 134 MB at the
 default 32768 tokens, 8 KV heads, d 128), the prefix lengths on the host (``host_lengths``; read from the
 device, one synchronisation, when not given), and bfloat16 queries see a bfloat16 rounding of the dequantized
-rows (the fused kernel keeps float16): same budget (1e-2 with bfloat16 inputs).
+rows (the fused kernel keeps float16): the same error budget (1e-2 with bfloat16 inputs). Why and when it is
+faster than the fused kernel: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -26,33 +22,30 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import Tensor
-
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ._triton_util import interpreting
-from .extend_dense import dequant_pages_into
+from .dequant_triton import dequant_pages_into
 from .layout import QuantPages
 
 SEGMENT_TOKENS = 32768
 
 
 def min_chunk(batch: int) -> int:
-    """Chunk tokens per sequence from which the default takes ``fold="sdpa"`` for ``batch`` sequences. H200,
-    prefixes 8K-128K (``benchmarks/extend_crossover.py``, docs/results/extend_crossover_h200.md): one sequence,
-    the cuDNN fold was faster at every chunk measured (16 to 2048 tokens: 0.46 vs 0.65 ms at 16 over 32K, 1.75
-    vs 3.28 ms at 2048); four sequences, slower up to 256 tokens (1.81 vs 1.63 ms over 32K) and faster from 512
-    (1.89 vs 3.22 ms). So 16 tokens for one sequence, ``128 B`` for more (interpolated between those two)."""
+    """Chunk tokens per sequence from which the default takes the cuDNN fold for ``batch`` sequences: 16 for one
+    sequence, ``128 B`` for more (the cuDNN fold handles one sequence at a time, so with several short chunks the
+    fused kernel, parallel over sequences, is faster; crossover measured on the H200, docs/kernels.md)."""
     return 16 if batch <= 1 else 128 * batch
 
 
-# (device index, dtype, d) -> False once cuDNN attention failed there (the default then takes the fused fold)
+# (device index, dtype, d) -> the error, once cuDNN attention failed there (the default then takes the fused kernel)
 _CUDNN_BROKEN: dict[tuple, str] = {}
 
 
 def sdpa_supported(q: Tensor, d: int, host_lengths: bool = False) -> bool:
-    """Whether ``fold="sdpa"`` is the default for this query ``[B, T, Hq, d]``: a chunk of at least
+    """Whether the cuDNN fold is the default for this query ``[B, T, Hq, d]``: a chunk of at least
     :func:`min_chunk` ``(B)`` tokens (the cuDNN fold handles one sequence at a time, so with several short
     chunks the fused kernel, parallel over sequences, is faster), CUDA (not the interpreter; inside CUDA-graph
     capture only with ``host_lengths``, since the prefix lengths are host integers), cuDNN attention enabled,
@@ -158,7 +151,7 @@ def extend_attention_sdpa(
     qlen: Tensor, k16: Tensor, v16: Tensor, len16: Tensor, sm_scale: float, out: Tensor, *,
     segment_tokens: int = SEGMENT_TOKENS, host_lengths: tuple[list[int], list[int]] | None = None,
 ) -> Tensor:
-    """``fold="sdpa"`` (module docstring); arguments already checked by the launcher, ``out [B, T, Hq, d]``
+    """The cuDNN fold (module docstring); arguments already checked by the launcher, ``out [B, T, Hq, d]``
     allocated, ``sm_scale`` resolved. ``host_lengths``: ``(qlen, len16)`` as host integers (else read from the
     device)."""
     B, T, hq, d = q.shape
@@ -228,7 +221,7 @@ def mark_cudnn_broken(q: Tensor, d: int, err: Exception) -> None:
     if key not in _CUDNN_BROKEN:
         _CUDNN_BROKEN[key] = f"{type(err).__name__}: {err}"
         warnings.warn(f"extend: cuDNN attention failed ({_CUDNN_BROKEN[key][:200]}); using the fused Triton "
-                      f"kernel (fold='dequant') for {q.dtype} queries with d={d} on this device", stacklevel=3)
+                      f"kernel for {q.dtype} queries with d={d} on this device", stacklevel=3)
 
 
-__all__ = ["SEGMENT_TOKENS", "min_chunk", "extend_attention_sdpa", "mark_cudnn_broken", "sdpa_supported"]
+__all__ = ["SEGMENT_TOKENS", "extend_attention_sdpa", "mark_cudnn_broken", "min_chunk", "sdpa_supported"]

@@ -1,14 +1,15 @@
-"""Triton device functions of the extend kernel (:mod:`oscarkv.kernels.extend_triton`): code tiles unpacked to
-exact 16-bit codes or dequantized to float16 by inline PTX on CUDA (integer ops in the interpreter), the four
-field tiles as one natural-order operand, the online-softmax step and the (optionally lazy) accumulator rescale,
-the logits over a channel page, and the flash step of the dense kernel (:mod:`oscarkv.kernels.extend_dense`).
-Field ``j`` of packed byte ``c`` is element ``j d/4 + c`` of the row, so a ``[n, d/4]`` field tile is the column
-block ``[j d/4, (j+1) d/4)``."""
+"""Triton device functions of the extend kernel (:mod:`oscarkv.kernels.extend_triton`) and of the page
+dequantization (:mod:`oscarkv.kernels.dequant_triton`): a page tile of any format dequantized to float16
+``o + c s`` in natural element order (2-bit token pages by inline PTX on CUDA: one fma per code pair, which also
+removes the magic-number bias; integer ops elsewhere), the program geometry, and the online-softmax step.
+Field ``j`` of packed byte ``c`` is element ``j d / (8 / bits) + c`` of the row, so field tiles side by side are
+the row in natural order."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 
 def _unpack_asm(bf16: bool) -> str:
     """Inline PTX: four 2-bit fields of four packed bytes -> four pairs of exact 16-bit codes (field j of bytes
@@ -33,10 +34,6 @@ def _unpack_asm(bf16: bool) -> str:
         for reg, src in ((2 * j, src_a), (2 * j + 1, src_b)):
             lines += [f"lop3.b32 ${reg}, {src}, m, k, 0xea;", f"{fma} ${reg}, ${reg}, s, o;"]
     return "\n".join(lines + ["}"])
-
-
-_UNPACK_F16 = tl.constexpr(_unpack_asm(False))
-_UNPACK_BF16 = tl.constexpr(_unpack_asm(True))
 
 
 def _dequant_asm() -> str:
@@ -74,45 +71,21 @@ def _query_rows(q_ptr, sq_b, sq_t, sq_h, T, HKV, G: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _unpack4(codes, CBF: tl.constexpr, ASM: tl.constexpr, OUT: tl.constexpr):
-    """The four 2-bit fields of uint8 ``codes`` as exact codes, field ``j`` = column block ``j`` of the rows.
-    With ``ASM`` (CUDA): float16 (``CBF=0``) or bfloat16 (``CBF=1``) by magic-number unpacking; otherwise
-    integer ops converted to ``OUT`` (the interpreter, which runs the dots in float32)."""
-    if ASM:
-        if CBF:
-            f0, f1, f2, f3 = tl.inline_asm_elementwise(
-                _UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            f0, f1, f2, f3 = tl.inline_asm_elementwise(
-                _UNPACK_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
-        x = codes.to(tl.int32)
-        f0 = (x & 3).to(OUT)
-        f1 = ((x >> 2) & 3).to(OUT)
-        f2 = ((x >> 4) & 3).to(OUT)
-        f3 = ((x >> 6) & 3).to(OUT)
-    return f0, f1, f2, f3
-
-
-@triton.jit
-def _dequant4(codes, sc, of, ASM: tl.constexpr, OUT: tl.constexpr):
-    """Four dequantized float16 field tiles ``o + code * s`` of uint8 ``codes`` ``[n, D/4]``; ``sc``/``of``:
-    float16, broadcast to the codes' shape (a row's or a column's scale and offset). Returned as ``OUT``."""
+def _dequant4(codes, sc, of, ASM: tl.constexpr):
+    """Four dequantized float16 field tiles ``o + code * s`` of 2-bit ``codes`` ``[n, D/4]``; ``sc``/``of``:
+    float16, broadcast to the codes' shape."""
     if ASM:
         f0, f1, f2, f3 = tl.inline_asm_elementwise(
             _DEQUANT_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [codes, sc, of],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
-        f0, f1, f2, f3 = f0.to(OUT), f1.to(OUT), f2.to(OUT), f3.to(OUT)
     else:  # float32 products, rounded to float16 like the fma (a double rounding only on exact ties)
-        c0, c1, c2, c3 = _unpack4(codes, 0, False, tl.float32)
+        x = codes.to(tl.int32)
         s32 = sc.to(tl.float32)
         o32 = of.to(tl.float32)
-        f0 = (c0 * s32 + o32).to(tl.float16).to(OUT)
-        f1 = (c1 * s32 + o32).to(tl.float16).to(OUT)
-        f2 = (c2 * s32 + o32).to(tl.float16).to(OUT)
-        f3 = (c3 * s32 + o32).to(tl.float16).to(OUT)
+        f0 = ((x & 3).to(tl.float32) * s32 + o32).to(tl.float16)
+        f1 = (((x >> 2) & 3).to(tl.float32) * s32 + o32).to(tl.float16)
+        f2 = (((x >> 4) & 3).to(tl.float32) * s32 + o32).to(tl.float16)
+        f3 = (((x >> 6) & 3).to(tl.float32) * s32 + o32).to(tl.float16)
     return f0, f1, f2, f3
 
 
@@ -124,91 +97,58 @@ def _cat4(f0, f1, f2, f3, R: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _online(s, m_i, csc, lv, tau, LAZY: tl.constexpr):
-    """Online softmax over logits ``s`` (``csc`` converts them to log2 units). Returns the new reference max
-    (raised only past ``m_i + tau`` when ``LAZY``: weights may then reach ``2^(csc tau)``), the factor ``alpha``
-    for the old sums and the weights ``p = 2^(csc (s - m) - lv)`` (``2^lv`` = v_ref, folded in here)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if LAZY:
-        m_new = tl.where(m_new > m_i + tau, m_new, m_i)
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows fully masked so far stay at zero weight
-    alpha = tl.exp2((m_i - m_use) * csc)
-    p = tl.exp2(s * csc - (m_use * csc + lv)[:, None])
-    return m_new, alpha, p
+def _cat2(f0, f1, R: tl.constexpr, D: tl.constexpr):
+    """Two ``[R, D/2]`` blocks -> ``[R, D]`` with column block ``j`` = ``f_j``."""
+    return tl.reshape(tl.permute(tl.join(f0, f1), (0, 2, 1)), (R, D))
 
 
 @triton.jit
-def _scale_acc(a0, a1, a2, a3, alpha, VCAT: tl.constexpr):
-    a0 = a0 * alpha[:, None]
-    if not VCAT:
-        a1 = a1 * alpha[:, None]
-        a2 = a2 * alpha[:, None]
-        a3 = a3 * alpha[:, None]
-    return a0, a1, a2, a3
-
-
-@triton.jit
-def _rescale(a0, a1, a2, a3, alpha, moved, LAZY: tl.constexpr, VCAT: tl.constexpr):
-    """The accumulators times ``alpha`` before a page's ``P V``: every page (flash attention), or with ``LAZY``
-    only when some row's reference max ``moved`` (one block-wide flag; it rarely moves after the first pages)."""
-    if LAZY:
-        if tl.max(moved.to(tl.int32), axis=0) > 0:
-            a0, a1, a2, a3 = _scale_acc(a0, a1, a2, a3, alpha, VCAT)
+def _codes_natural(codes, BITS: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+    """Codes of ``R`` packed rows ``[R, D BITS / 8]`` (uint8) as float32 ``[R, D]`` in natural element order."""
+    x = codes.to(tl.int32)
+    if BITS == 2:
+        c = _cat4(x & 3, (x >> 2) & 3, (x >> 4) & 3, (x >> 6) & 3, R, D)
     else:
-        a0, a1, a2, a3 = _scale_acc(a0, a1, a2, a3, alpha, VCAT)
-    return a0, a1, a2, a3
+        c = _cat2(x & 15, x >> 4, R, D)
+    return c.to(tl.float32)
 
 
 @triton.jit
-def _channel_logits(k0, k1, k2, k3, page, h, ks_ptr, ko_ptr, s_kmp, s_kmh, qk0, qk1, qk2, qk3, D: tl.constexpr,
-                    PS: tl.constexpr, DT: tl.constexpr, KCAT: tl.constexpr):
-    """Logits of the prescaled float16 query over one channel page (code tiles ``k_j``)."""
-    DQ: tl.constexpr = D // 4
-    c = tl.arange(0, DQ)
-    # channel page (written whole, metadata valid): dequantize the tile, normalised by its largest |k^| so
-    # that the 16-bit operand cannot overflow, and undo the normalisation on the logits
-    kmeta = page * s_kmp + h * s_kmh
-    if KCAT:
+def _dequant_tile(codes_ptr, sc_ptr, of_ptr, page, h, s_cp, s_ch, s_mp, s_mh, rows, live,
+                  BITS: tl.constexpr, CH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
+    """Dequantized float16 rows ``[R, D]`` (natural order) of a page tile: in-page rows ``rows`` ``[R]`` of
+    physical pages ``page`` (a scalar, or ``[R]`` for a tile of several pages; channel pages: a scalar). Token
+    pages: a scale/offset per row, rows not ``live`` (past a sequence's end: stale, maybe NaN metadata) are
+    zeros; channel pages (written whole): a scale/offset per channel of the page, rows not ``live`` zeros too."""
+    RB: tl.constexpr = D * BITS // 8
+    crow = page * s_cp + h * s_ch + rows * RB
+    codes = tl.load(codes_ptr + crow[:, None] + tl.arange(0, RB)[None, :])
+    if CH:
         dcol = tl.arange(0, D)
-        ksv = tl.load(ks_ptr + kmeta + dcol).to(tl.float32)
-        kov = tl.load(ko_ptr + kmeta + dcol).to(tl.float32)
-        khat = kov[None, :] + _cat4(k0, k1, k2, k3, PS, D).to(tl.float32) * ksv[None, :]
-        kmax = tl.max(tl.maximum(tl.abs(kov), tl.abs(kov + 3.0 * ksv)), axis=0)
-        kmax = tl.where(kmax > 0.0, kmax, 1.0)
-        s = tl.dot(qk0, tl.trans((khat * (1.0 / kmax)).to(tl.float16).to(DT))) * kmax
+        ks = tl.load(sc_ptr + page * s_mp + h * s_mh + dcol).to(tl.float32)
+        ko = tl.load(of_ptr + page * s_mp + h * s_mh + dcol).to(tl.float32)
+        x = ko[None, :] + _codes_natural(codes, BITS, R, D) * ks[None, :]
+        r = tl.where(live[:, None], x, 0.0).to(tl.float16)
     else:
-        ks0 = tl.load(ks_ptr + kmeta + c).to(tl.float32)
-        ks1 = tl.load(ks_ptr + kmeta + DQ + c).to(tl.float32)
-        ks2 = tl.load(ks_ptr + kmeta + 2 * DQ + c).to(tl.float32)
-        ks3 = tl.load(ks_ptr + kmeta + 3 * DQ + c).to(tl.float32)
-        ko0 = tl.load(ko_ptr + kmeta + c).to(tl.float32)
-        ko1 = tl.load(ko_ptr + kmeta + DQ + c).to(tl.float32)
-        ko2 = tl.load(ko_ptr + kmeta + 2 * DQ + c).to(tl.float32)
-        ko3 = tl.load(ko_ptr + kmeta + 3 * DQ + c).to(tl.float32)
-        kmax = tl.maximum(tl.maximum(tl.max(tl.maximum(tl.abs(ko0), tl.abs(ko0 + 3.0 * ks0)), axis=0),
-                                     tl.max(tl.maximum(tl.abs(ko1), tl.abs(ko1 + 3.0 * ks1)), axis=0)),
-                          tl.maximum(tl.max(tl.maximum(tl.abs(ko2), tl.abs(ko2 + 3.0 * ks2)), axis=0),
-                                     tl.max(tl.maximum(tl.abs(ko3), tl.abs(ko3 + 3.0 * ks3)), axis=0)))
-        kmax = tl.where(kmax > 0.0, kmax, 1.0)
-        ik = 1.0 / kmax
-        h0 = ((ko0[None, :] + k0.to(tl.float32) * ks0[None, :]) * ik).to(tl.float16).to(DT)
-        h1 = ((ko1[None, :] + k1.to(tl.float32) * ks1[None, :]) * ik).to(tl.float16).to(DT)
-        h2 = ((ko2[None, :] + k2.to(tl.float32) * ks2[None, :]) * ik).to(tl.float16).to(DT)
-        h3 = ((ko3[None, :] + k3.to(tl.float32) * ks3[None, :]) * ik).to(tl.float16).to(DT)
-        s = tl.dot(qk0, tl.trans(h0))
-        s = tl.dot(qk1, tl.trans(h1), s)
-        s = tl.dot(qk2, tl.trans(h2), s)
-        s = tl.dot(qk3, tl.trans(h3), s)
-        s = s * kmax
-    return s
+        mrow = page * s_mp + h * s_mh + rows
+        sc = tl.where(live, tl.load(sc_ptr + mrow), 0.0).to(tl.float16)
+        of = tl.where(live, tl.load(of_ptr + mrow), 0.0).to(tl.float16)
+        if BITS == 2:
+            f0, f1, f2, f3 = _dequant4(codes, tl.broadcast_to(sc[:, None], (R, D // 4)),
+                                       tl.broadcast_to(of[:, None], (R, D // 4)), ASM)
+            r = _cat4(f0, f1, f2, f3, R, D)
+        else:
+            x = of.to(tl.float32)[:, None] + _codes_natural(codes, BITS, R, D) * sc.to(tl.float32)[:, None]
+            r = x.to(tl.float16)
+    return r
 
 
 @triton.jit
-def _fa_update(s, v, m_i, l_i, acc, csc, P16: tl.constexpr):
-    """Flash-attention step of the dense kernel: online softmax over logits ``s`` (unscaled; ``csc`` =
-    ``sm_scale log2(e)``, folded into the exponent's one fma), the accumulator rescaled and ``P V`` added, with
-    ``P`` rounded to ``P16`` (the value tile's 16-bit dtype) and entering the dot in ``v``'s dtype."""
-    m_new, alpha, p = _online(s, m_i, csc, 0.0, 0.0, False)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(P16).to(v.dtype), v, acc * alpha[:, None])
-    return m_new, l_i, acc
+def _online(s, m_i, csc):
+    """Online softmax over logits ``s`` (``csc`` converts them to log2 units): the new running max, the factor
+    ``alpha`` for the old sums and the weights ``p = 2^(csc (s - m))``; rows fully masked so far keep weight 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2((m_i - m_use) * csc)
+    p = tl.exp2(s * csc - (m_use * csc)[:, None])
+    return m_new, alpha, p

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..quant import resolve_meta_dtype
-
 
 LAYOUTS = ("token", "channel")
 
@@ -103,7 +103,7 @@ class PageFormat:
         num = self.num_kv_heads * (self.row_bytes * self.page_size + 2 * self.head_dim * meta)
         return num // self.page_size if num % self.page_size == 0 else num / self.page_size
 
-    def same_geometry(self, other: "PageFormat") -> bool:
+    def same_geometry(self, other: PageFormat) -> bool:
         """Equal except for the key layout (K in channel pages and V in token pages share slots and codes)."""
         return dataclasses.replace(self, layout="token") == dataclasses.replace(other, layout="token")
 
@@ -118,7 +118,7 @@ class QuantPages:
     fmt: PageFormat
 
     @classmethod
-    def allocate(cls, fmt: PageFormat, num_pages: int, device: torch.device | str = "cpu") -> "QuantPages":
+    def allocate(cls, fmt: PageFormat, num_pages: int, device: torch.device | str = "cpu") -> QuantPages:
         shape = (num_pages, fmt.num_kv_heads, fmt.page_size)
         meta = (num_pages, fmt.num_kv_heads, *fmt.meta_shape)
         return cls(
@@ -152,4 +152,15 @@ def slot_mapping(block_table: Tensor, positions: Tensor, seq_ids: Tensor, page_s
     return pages * page_size + (positions % page_size).long()
 
 
-__all__ = ["LAYOUTS", "PageFormat", "QuantPages", "slot_mapping"]
+class KVDest(NamedTuple):
+    """Where a decode step's new 16-bit K/V rows go in a pool (the fused QK preparation stores them there):
+    element ``i`` of head ``h`` of token ``t`` of side ``which`` (0 = K, 1 = V) is ``dst``'s element at offset
+    ``which * s_which + off[t] + h * s_head + i`` (``off`` int64 ``[N]``, computed once per step)."""
+
+    dst: Tensor
+    off: Tensor
+    s_which: int
+    s_head: int
+
+
+__all__ = ["LAYOUTS", "KVDest", "PageFormat", "QuantPages", "slot_mapping"]

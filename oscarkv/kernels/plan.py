@@ -10,9 +10,8 @@ log-sum-exp (base 2); one merge kernel combines them.
 
 The split count is planned for the longest 2-bit tier the step may hold; the kernels then cut each sequence's
 own tier into that many ranges (:meth:`DecodePlan.split_tokens`: ``pages_per_split`` pages at most), so a
-sequence shorter than the plan's bound still spreads over every split. (A plan fixed at the block table's
-capacity, as in a CUDA graph, left a 32K sequence under a 128K bound on a quarter of the splits, each walking a
-128K sequence's pages.)
+sequence shorter than the plan's bound still spreads over every split (a CUDA graph's plan is made for the
+block table's capacity).
 """
 
 from __future__ import annotations
@@ -45,14 +44,13 @@ class DecodePlan:
         programs_per_sm: target grid size, in programs per multiprocessor, used to pick the split count.
             Default (None): 16 (about four waves of the CUDA kernel's four resident programs, which smooths
             the tail), except 4 (one wave) for a single sequence's KV heads, where short splits cost more in
-            fixed work than they gain (H200: 32K x bs 1 0.029 ms at 4 vs 0.037 at 16; docs/results/).
+            fixed work than they gain (docs/kernels.md).
         tokens16_per_split: 16-bit-tier tokens per split. Default (None): half the tier rounded up to 16, within
-            [128, 256] (a 320-token tier: 2 splits of 160), so that a single sequence's 2-bit splits keep 64 of
-            the 66 program slots per KV head of one H200 wave (3 splits of 128 left 63).
+            [128, 256] (a 320-token tier: 2 splits of 160), so that a single sequence's quantized splits keep
+            most of the program slots of one wave.
         warps_per_split: warps that share a split's pages (the CUDA kernel's 4); a split's page count is a
             multiple of it (when it has at least that many pages), so that no warp walks one page more than the
-            others: the split's time is its slowest warp's (H200, 128K x 1: 33 pages per split made one warp of
-            four walk 9 pages, the others 8).
+            others: the split's time is its slowest warp's.
         num_sms: multiprocessors to fill (default: read from the device).
         min_pages_per_split: lower bound on a split's length, so that short contexts do not pay a program's
             fixed cost (query setup, partial write) for a single page.
@@ -106,7 +104,6 @@ class DecodePlan:
         rows = max(b * (self._splits_for(b, cap)[1] + self.num_splits16) for b in range(1, self.max_batch + 1))
         self._o_flat = torch.empty(rows * self.num_q_heads * self.head_dim, dtype=torch.float32, device=self.device)
         self._lse_flat = torch.empty(rows * self.num_q_heads, dtype=torch.float32, device=self.device)
-        self._counters: Tensor | None = None
         self.update(self.max_batch)
 
     @property
@@ -114,15 +111,6 @@ class DecodePlan:
         """Partial outputs ``[batch, Hq, num_splits, d]`` float32 (a view of the preallocated workspace)."""
         n = self.batch * self.num_q_heads * self.num_splits * self.head_dim
         return self._o_flat[:n].view(self.batch, self.num_q_heads, self.num_splits, self.head_dim)
-
-    @property
-    def counters(self) -> Tensor:
-        """One ticket counter per (sequence, KV head) for the CUDA kernel's optional fused merge (the last split
-        to finish combines them); zero between calls, reset by that split. Allocated on first use (so outside a
-        CUDA-graph capture when the first call is eager), only by plans that use the fused merge."""
-        if self._counters is None:
-            self._counters = torch.zeros(self.max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device)
-        return self._counters
 
     @property
     def lse_part(self) -> Tensor:
@@ -170,7 +158,7 @@ class DecodePlan:
         pps = min(max(-(-want // gran) * gran, least), self.pages_per_split)
         return pps * self.page_size
 
-    def update(self, batch: int, max_tokens: int | None = None) -> "DecodePlan":
+    def update(self, batch: int, max_tokens: int | None = None) -> DecodePlan:
         """Set the split geometry for a step of ``batch`` sequences whose 2-bit tiers hold at most
         ``max_tokens`` tokens (default: the block table's capacity). Host arithmetic only."""
         if not 1 <= batch <= self.max_batch:

@@ -1,14 +1,16 @@
-"""PyTorch references of every kernel op: the specification the Triton kernels are tested against, and the
-implementation used on CPU. Shapes follow :mod:`oscarkv.kernels.layout`."""
+"""PyTorch references of every kernel op: the specification the kernels are tested against, and the
+implementation used on CPU. Shapes follow :mod:`oscarkv.kernels.layout`; the dense decoder ops (norms, QK
+preparation, GEMV, paged 16-bit decode) at the end."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ..quant import clip_index, dequantize, pack, quantize, QuantizedRows, unpack
+from ..quant import QuantizedRows, clip_index, dequantize, pack, quantize, unpack
 from .layout import QuantPages
 
 
@@ -221,8 +223,6 @@ def extend_attention_ref(
     return out
 
 
-__all__ = ["quantize_write_ref", "channel_page_ids", "dequantize_pages_ref", "demote_ref", "gather_dequant_ref",
-           "decode_attention_ref", "extend_attention_ref"]
 
 
 def rotate_rows_ref(
@@ -246,3 +246,100 @@ def rotate_rows_ref(
     if rows_out is not None:
         rows_out.index_copy_(0, rows, y.to(rows_out.dtype))
     return y if out is None else out
+
+
+# ------------------------------------------------------------------- dense ops of the decoder (engine)
+def rmsnorm_ref(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale. x ``[..., D]``."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x ``[N, H, d]``, cos/sin ``[N, d]`` (rotate-half convention)."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
+
+
+def qk_prep_ref(qkv: Tensor, hq: int, hkv: int, d: int, cos: Tensor, sin: Tensor, qn: Tensor | None,
+                  kn: Tensor | None, eps: float, r_k: Tensor | None, mu_k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Split fused QKV ``[N, (hq + 2 hkv) d]``, QK-norm (if weights given), RoPE, and with ``r_k``
+    ``[hkv, d, d]`` center keys by ``mu_k`` ``[hkv, d]`` and rotate queries and keys (float64 math here,
+    float32 in the kernel).
+    Returns q ``[N, hq, d]`` and kv ``[2, N, hkv, d]`` in the input dtype."""
+    N = qkv.shape[0]
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q, k, v = q.view(N, hq, d), k.view(N, hkv, d), v.view(N, hkv, d)
+    if qn is not None:
+        q, k = rmsnorm_ref(q, qn, eps), rmsnorm_ref(k, kn, eps)
+    q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    if r_k is not None:  # float64 like oscarkv.hf, so both produce the same stored rows
+        r = r_k.double()
+        k = torch.einsum("nhd,hde->nhe", k.double() - mu_k.double(), r).float().to(qkv.dtype)
+        qg = q.double().view(N, hkv, hq // hkv, d)
+        q = torch.einsum("nhgd,hde->nhge", qg, r).reshape(N, hq, d).float().to(qkv.dtype)
+    return q, torch.stack((k, v))
+
+
+def paged_decode_ref(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, sm_scale: float) -> Tensor:
+    """One query per sequence over 16-bit pages. q ``[B, Hq, d]``, kv ``[2, pages, Hkv, P, d]``, block_table
+    int32 ``[B, max_pages]``, lens ``[B]``. Returns ``[B, Hq, d]`` (zeros for empty sequences)."""
+    B, Hq, d = q.shape
+    P, Hkv = kv.shape[3], kv.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        pages = block_table[b, : (n + P - 1) // P].long()
+        k, v = (kv[i, pages].transpose(0, 1).reshape(Hkv, -1, d)[:, :n] for i in range(2))
+        g = Hq // Hkv
+        s = torch.einsum("hgd,hnd->hgn", q[b].float().view(Hkv, g, d), k.float()) * sm_scale
+        out[b] = torch.einsum("hgn,hnd->hgd", s.softmax(-1), v.float()).reshape(Hq, d).to(q.dtype)
+    return out
+
+
+def gemv_ref(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None = None,
+               norm: Tensor | None = None, eps: float = 1e-6, act: str | None = None,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """The fused decode GEMV: ``linear(pro(x), w, b)``, rounded to x's dtype, then
+    ``+ residual`` (then converted to ``out_dtype`` if given). ``pro``: ``rmsnorm_ref(x, norm)`` with
+    ``norm``, ``silu(x[:, :K]) * x[:, K:]`` with ``act="silu"``, else identity (the unfused ops of a block, in
+    the same order)."""
+    if norm is not None:
+        x = rmsnorm_ref(x, norm, eps)
+    elif act == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = F.linear(x, w, b)
+    y = y if residual is None else y + residual
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def embed_rope_ref(tokens: Tensor, positions: Tensor, emb: Tensor, inv_freq2: Tensor,
+                     scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's embedding rows and RoPE ``cos/sin [N, d]`` (``inv_freq2``: both halves of the frequencies)."""
+    x = F.embedding(tokens, emb)
+    e = positions[:, None] * inv_freq2.float()  # one launch: cat((f, f)) of positions.float() * inv_freq
+    cos, sin = e.cos(), e.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return x, cos.to(x.dtype), sin.to(x.dtype)
+
+
+__all__ = [
+    "channel_page_ids",
+    "decode_attention_ref",
+    "demote_ref",
+    "dequantize_pages_ref",
+    "embed_rope_ref",
+    "extend_attention_ref",
+    "gather_dequant_ref",
+    "gemv_ref",
+    "paged_decode_ref",
+    "qk_prep_ref",
+    "quantize_write_ref",
+    "rmsnorm_ref",
+    "rope_ref",
+    "rotate_rows_ref",
+]

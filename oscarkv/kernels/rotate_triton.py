@@ -4,8 +4,8 @@ added after), float32 math, optionally also scattered into a second tensor's row
 It replaces the ~5 torch ops per tensor (dtype casts, centering, an einsum's permute/bmm/reshape) that the vLLM
 backend issued per layer for q, k, v and the output: eager vLLM steps are bound by that host work, not by the
 GPU (benchmarks/vllm_layer_probe.py). Spec: :func:`oscarkv.kernels.reference.rotate_rows_ref`. The dot is
-``tf32x3`` on the GPU (three TF32 tensor-core products, float32-level accuracy; the FMA ``ieee`` form took
-149 us per call on the H200 at 34 rows, as much as the decode attention) and ``ieee`` in the interpreter: results
+``tf32x3`` on the GPU (three TF32 tensor-core products, float32-level accuracy; the FMA ``ieee`` form cost as
+much as the decode attention, docs/kernels.md) and ``ieee`` in the interpreter: results
 match the reference to about float32 rounding, not bit for bit, i.e. within one ulp of the 16-bit output.
 """
 

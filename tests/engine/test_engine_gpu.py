@@ -13,7 +13,7 @@ SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936 // 8
 
 
 def _configs():
-    from oscarkv.engine.triton_ops import GemvConfig
+    from oscarkv.kernels.gemv_triton import GemvConfig
 
     return [None, GemvConfig("fma", 8, 512, 4, 2), GemvConfig("fma", 16, 256, 8, 3), GemvConfig("dot", 16, 256, 4, 4),
             GemvConfig("dot", 32, 128, 4, 3)]
@@ -21,7 +21,8 @@ def _configs():
 
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_gemv_matches_cublas_bf16(M):
-    from oscarkv.engine import ops, triton_ops
+    from oscarkv.kernels import dense_triton, gemv_triton
+    from oscarkv.kernels import reference as ref
 
     g = torch.Generator(device=DEV).manual_seed(M)
     for N, K in SHAPES:
@@ -33,16 +34,16 @@ def test_gemv_matches_cublas_bf16(M):
         res = torch.randn(M, N, device=DEV, generator=g).bfloat16()
         cases = ((x, {}), (x, dict(b=b, residual=res)), (x, dict(norm=nw, eps=1e-6)), (gu, dict(act="silu", residual=res)))
         for xin, kw in cases:
-            exact = ops.gemv_torch(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v
+            exact = ref.gemv_ref(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v
                                                               for k, v in kw.items()})
-            cublas = (ops.gemv_torch(xin, w, **kw).float() - exact).abs().max().item()
+            cublas = (ref.gemv_ref(xin, w, **kw).float() - exact).abs().max().item()
             for cfg in _configs():
-                err = (triton_ops.gemv(xin, w, config=cfg, **kw).float() - exact).abs().max().item()
+                err = (gemv_triton.gemv(xin, w, config=cfg, **kw).float() - exact).abs().max().item()
                 assert err <= 2 * cublas + 1e-2, (M, N, K, list(kw), cfg, err, cublas)
 
 
 def test_fused_kv_write_is_bit_equal_bf16():
-    from oscarkv.engine import triton_ops
+    from oscarkv.kernels import dense_triton
     from oscarkv.engine.attention import DecodeCtx
     from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
 
@@ -66,12 +67,12 @@ def test_fused_kv_write_is_bit_equal_bf16():
         rot = (None, None) if bf16 else (rk, mu)
         store = pool.kv if bf16 else pool.buf
         for layer in range(L):
-            q0, kv = triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, nw, nw, 1e-6, *rot)
+            q0, kv = dense_triton.qk_prep(qkv, hq, hkv, d, cos, sin, nw, nw, 1e-6, *rot)
             before = store.clone()
             ctx.write_kv(layer, kv)
             ref = store.clone()
             store.copy_(before)
-            q1, _ = triton_ops.qk_prep(qkv, hq, hkv, d, cos, sin, nw, nw, 1e-6, *rot, out=ctx.kv_dest(layer))
+            q1, _ = dense_triton.qk_prep(qkv, hq, hkv, d, cos, sin, nw, nw, 1e-6, *rot, out=ctx.kv_dest(layer))
             assert torch.equal(q0, q1) and torch.equal(store, ref) and not torch.equal(store, before)
 
 

@@ -51,12 +51,12 @@ def test_gemv_choice_per_batch_rows(make_hf, monkeypatch):
     """"auto" runs the fused Triton GEMV for single-row decode steps only; "triton" up to GEMV_MAX_M rows; "cublas"
     never; and off CUDA (no Triton path) never."""
     from oscarkv.engine import model as model_mod
-    from oscarkv.engine.triton_ops import GEMV_MAX_M
+    from oscarkv.kernels.dispatch import GEMV_MAX_M
 
     net = from_hf(make_hf("llama"))
     x = lambda m: torch.zeros(m, net.cfg.hidden_size)  # noqa: E731
     assert not net._use_gemv(x(1))  # CPU tensors: no Triton path
-    monkeypatch.setattr(model_mod.ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(model_mod.ops, "uses_kernels", lambda t: True)
     assert net.gemv == "auto" and net._use_gemv(x(1)) and not net._use_gemv(x(2))
     net.set_gemv("triton")
     assert net._use_gemv(x(GEMV_MAX_M)) and not net._use_gemv(x(GEMV_MAX_M + 1))

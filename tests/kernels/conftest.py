@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernel_helpers import DEVICE  # noqa: E402
+from kernel_helpers import DEVICE
 
 
 @pytest.fixture(autouse=True)

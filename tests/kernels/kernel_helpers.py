@@ -38,15 +38,26 @@ def poisoned_pages(fmt: PageFormat, num_pages: int, device) -> QuantPages:
     return pages
 
 
-def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.float16, device=DEVICE,
-                k_clip=0.96, v_clip=0.92, extra_pages=3, key_layout="token", meta_dtype=torch.float16):
-    """Random rotated-basis cache: 2-bit pages of ``lens[b]`` tokens (shuffled page ids, poisoned spare pages),
-    16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q.
+# every per-layer storage format: (key bits, key layout, value bits)
+FORMATS = [(kb, lay, vb) for lay in ("token", "channel") for kb in (2, 4) for vb in (2, 4)]
 
-    ``key_layout="channel"``: keys in channel pages, written whole (a last page past ``lens[b]`` holds random
-    tokens beyond the sequence end, which attention must mask), no key clipping."""
-    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, meta_dtype=meta_dtype)
-    kfmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, layout=key_layout, meta_dtype=meta_dtype)
+
+def fmt_id(f) -> str:
+    return f"{f[1]}{f[0]}-token{f[2]}"
+
+
+def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.float16, device=DEVICE,
+                k_clip=0.96, v_clip=0.92, extra_pages=3, key_layout="token", meta_dtype=torch.float16,
+                k_bits=2, v_bits=2):
+    """Random rotated-basis cache: quantized pages of ``lens[b]`` tokens (shuffled page ids, poisoned spare
+    pages), 16-bit tiers of ``lens16[b]`` valid rows out of ``c16``. Returns the decode arguments after q.
+
+    Keys in ``k_bits``-bit pages of ``key_layout``, values in ``v_bits``-bit token pages. ``key_layout="channel"``:
+    keys written in whole pages (a last page past ``lens[b]`` holds random tokens beyond the sequence end, which
+    attention must mask), no key clipping."""
+    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, meta_dtype=meta_dtype, bits=v_bits)
+    kfmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=page_size, layout=key_layout, meta_dtype=meta_dtype,
+                      bits=k_bits)
     maxp = max(1, max(math.ceil(n / page_size) for n in lens))
     total = sum(math.ceil(n / page_size) for n in lens) + extra_pages
     kp, vp = poisoned_pages(kfmt, total, device), poisoned_pages(fmt, total, device)
@@ -71,7 +82,7 @@ def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.flo
             quantize_write_ref(vp, torch.randn(n, hkv, d, device=device), slots, clip_ratio=v_clip)
     k16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
     v16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
     return kp, vp, bt, as_i32(lens), k16, v16, as_i32(lens16)
 
 
@@ -94,7 +105,7 @@ def sharp_extend_case(device=DEVICE):
     quantize_write_ref(vp, torch.randn(n, hkv, d, device=device) * vscale, slots, clip_ratio=0.92)
     k16 = torch.randn(1, hkv, 4, d, device=device).half()
     v16 = torch.randn(1, hkv, 4, d, device=device).half()
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
     args = (kp, vp, bt, as_i32([n]), k16, v16, as_i32([3]))
     q = (torch.randn(1, T, hkv * g, d, device=device) * 3).half()
     kn = torch.randn(1, T, hkv, d, device=device).half()

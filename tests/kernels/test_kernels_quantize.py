@@ -1,15 +1,18 @@
 """Quantize/pack/write and demotion kernels: codes, scales and offsets bit-exact with the reference quantizer
-(computed on the CPU, the specification), negative slots skipped, untouched slots left alone."""
+(computed on the CPU, the specification), negative slots skipped, untouched slots left alone; every K/V pair of
+storage formats (keys token/channel x 2/4 bits, values 2/4 bits). The clip order statistic's method is picked per
+ratio (top-down, bottom-up, bisection), so ratios select each one; interpreter tests run at tiny shapes."""
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, brute_threshold, poisoned_pages
+from kernel_helpers import DEVICE, FORMATS, brute_threshold, fmt_id, poisoned_pages
 
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.quantize_triton import demote_triton, quantize_write_triton
 from oscarkv.kernels.reference import demote_ref, quantize_write_ref
 
 GPU = DEVICE.type == "cuda"
+pytestmark = pytest.mark.interpret if not GPU else []
 N_ROWS = 1000 if GPU else 21
 HKV = 8 if GPU else 2
 
@@ -69,9 +72,7 @@ def test_quantize_write_bit_exact(d, bits, group, meta, clip):
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_quantize_write_rotation(per_head):
-    """With a mean and a rotation (applied in torch float32 before the row kernel), codes are bit-exact with
-    quantize() of the float32 rows used (exposed through ``debug_rows``), and those rows match x @ R to float32
-    rounding."""
+    """With a mean and a rotation (applied as the reference's float32 einsum before the kernel), bit-exact."""
     d = 128 if GPU else 64
     fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
     npages = N_ROWS // 8 + 2
@@ -84,18 +85,17 @@ def test_quantize_write_rotation(per_head):
     v = torch.randn(N_ROWS, HKV, d, device=DEVICE, dtype=torch.bfloat16)
     mk, mv = torch.randn(HKV, d, device=DEVICE), torch.randn(HKV, d, device=DEVICE)
     slots = _slots(N_ROWS, fmt, npages)
-    dbg = (torch.zeros(N_ROWS, HKV, d, device=DEVICE), torch.zeros(N_ROWS, HKV, d, device=DEVICE))
     quantize_write_triton(kp, vp, k, v, slots, k_rotation=rk, v_rotation=rv, k_mean=mk, v_mean=mv,
-                          k_clip=0.96, v_clip=0.92, debug_rows=dbg)
-    keep = (slots >= 0).cpu()
-    for x, mu, r, rows in ((k, mk, rk, dbg[0]), (v, mv, rv, dbg[1])):
-        eq = "nhd,de->nhe" if r.ndim == 2 else "nhd,hde->nhe"
-        want = torch.einsum(eq, x.double().cpu() - mu.double().cpu(), r.double().cpu())
-        assert (rows.cpu()[keep].double() - want[keep]).abs().max() < 1e-4 * want.abs().max()
-    quantize_write_ref(kr, dbg[0].cpu()[keep], slots.cpu()[keep], clip_ratio=0.96)
-    quantize_write_ref(vr, dbg[1].cpu()[keep], slots.cpu()[keep], clip_ratio=0.92)
-    _assert_same(kp, kr)
-    _assert_same(vp, vr)
+                          k_clip=0.96, v_clip=0.92)
+    # the reference on the same device (its einsum is the kernel path's), copied to the CPU pools
+    kd, vd = poisoned_pages(fmt, npages, DEVICE), poisoned_pages(fmt, npages, DEVICE)
+    for t, u in ((kd, kr), (vd, vr)):
+        for name in ("codes", "scale", "offset"):
+            getattr(t, name).copy_(getattr(u, name))
+    quantize_write_ref(kd, k, slots, rotation=rk, mean=mk, clip_ratio=0.96)
+    quantize_write_ref(vd, v, slots, rotation=rv, mean=mv, clip_ratio=0.92)
+    _assert_same(kp, kd)
+    _assert_same(vp, vd)
 
 
 def test_clip_threshold_exact_with_ties():
@@ -115,14 +115,11 @@ def test_clip_threshold_exact_with_ties():
         _assert_same(vp, vr)
 
 
-@pytest.mark.parametrize("ties,k_clip,v_clip,form", [
-    (False, 0.96, 0.92, ()),
-    *[(True, 0.9, 0.05, form) for form in [(), ("clip_bottom",), ("clip_bisect",), ("code_thr8",)]],
-], ids=["bf16", "ties", "ties-clip_bottom", "ties-clip_bisect", "ties-code_thr8"])
-def test_demote_bit_exact(ties, k_clip, v_clip, form):
+@pytest.mark.parametrize("ties,k_clip,v_clip", [(False, 0.96, 0.92), (True, 0.9, 0.05), (True, 0.5, 0.3)],
+                         ids=["bf16", "ties-bottom-up", "ties-bisection"])
+def test_demote_bit_exact(ties, k_clip, v_clip):
     """Demotion (gather mode) bit-exact with demote_ref: bfloat16 K and V at the default clips, and float16 keys
-    full of ties (small integers) with a V clip that extracts bottom-up, under the default and forced
-    order-statistic and code formulations."""
+    full of ties (small integers) with clips that extract bottom-up or bisect."""
     d = 128 if GPU else 64
     fmt = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=16)
     B, c16 = 3, 40
@@ -137,7 +134,7 @@ def test_demote_bit_exact(ties, k_clip, v_clip, form):
     kp, vp = _pools(fmt, 4)
     kr, vr = _cpu_copy(kp), _cpu_copy(vp)
     slots = _slots(n, fmt, 4)
-    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=k_clip, v_clip=v_clip, variant=form)
+    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=k_clip, v_clip=v_clip)
     demote_ref(kr, vr, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=k_clip, v_clip=v_clip)
     _assert_same(kp, kr)
     _assert_same(vp, vr)
@@ -176,8 +173,8 @@ def test_codes_exact_at_rounding_ties():
     _assert_same(vp, vr)
 
 
-# ------------------------------------------------------------------ formulations of the fast kernel (issue: speed)
-def _round_trip(x, k_clip, v_clip, variant=(), bits=2, group=None, meta=torch.float16, n_pages=None, v=None):
+# ------------------------------------------------------------------------------- edge rows and ratios
+def _round_trip(x, k_clip, v_clip, bits=2, group=None, meta=torch.float16, n_pages=None, v=None):
     """Write ``x`` (K) and ``v`` (V; default ``-x``) through the kernel and the reference into independent
     poisoned pools (random slots, one padding row) and assert bit equality."""
     n, hkv, d = x.shape
@@ -187,7 +184,7 @@ def _round_trip(x, k_clip, v_clip, variant=(), bits=2, group=None, meta=torch.fl
     kr, vr = _cpu_copy(kp), _cpu_copy(vp)
     v = -x if v is None else v
     slots = _slots(n, fmt, npages)
-    quantize_write_triton(kp, vp, x.to(DEVICE), v.to(DEVICE), slots, k_clip=k_clip, v_clip=v_clip, variant=variant)
+    quantize_write_triton(kp, vp, x.to(DEVICE), v.to(DEVICE), slots, k_clip=k_clip, v_clip=v_clip)
     quantize_write_ref(kr, x.cpu(), slots.cpu(), clip_ratio=k_clip)
     quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=v_clip)
     _assert_same(kp, kr)
@@ -256,46 +253,33 @@ def test_clip_plan_picks_fewest_passes():
     assert clip_plan(0.999, 64, True) == (1, 0, 63)  # r = 0: the maximum
     for ratio in (0.0, 1.0, -0.5, 1.5):
         assert clip_plan(ratio, 128, True) == (0, 0, 0)
-    assert clip_plan(0.5, 128, True, force=1) == (1, 63, 64)
 
 
 CLIP_CASES = [(64, torch.bfloat16), (128, torch.float16), (96, torch.float32), (256, torch.bfloat16),
               (64, torch.float32)]
+# top-down / top-down, r = 0 / bottom-up, bisection / none, none / none
 RATIO_PAIRS = [(0.96, 0.92), (0.999, 0.02), (0.5, 0.0), (1.0, -0.2)]
 
 
 @pytest.mark.parametrize("d,dtype", CLIP_CASES)
-def test_clip_formulations_bit_exact(d, dtype):
-    """Every order-statistic method (top-down, bottom-up, bisection; unique keys for 16-bit rows, tie counts
-    for float32 rows), forced or picked, at r = 0, small and large idx, ratios that disable clipping, on rows
-    full of ties; d = 96 has padded quarters. Forced top-down runs on the int32 keys ("win=0"): the 16-bit rows'
-    windowed keys (the default's top-down) have their own tests in test_kernels_quantize_fast16.py, and at a
-    forced r = 250 on these rows (most of the 5 smallest |x| zero) they walk down ~33-66 windows, which takes
-    minutes in the interpreter."""
+def test_clip_methods_bit_exact(d, dtype):
+    """Every order-statistic method the ratio picks (unique keys for 16-bit rows, tie counts for float32 rows)
+    at r = 0, small and large idx, ratios that disable clipping, on rows full of ties; d = 96 has padded
+    quarters."""
     x = _tie_rows(8 if not GPU else 300, HKV, d, dtype)
-    for form in ((), ("clip_top", "win=0"), ("clip_bottom",), ("clip_bisect",)):
-        for k_clip, v_clip in RATIO_PAIRS:
-            _round_trip(x, k_clip, v_clip, form)
-
-
-def test_clip_sort_cross_check():
-    x = _tie_rows(8, 2, 64, torch.bfloat16)
-    _round_trip(x, 0.9, 0.3, ("clip_sort",))
-    _round_trip(x.float(), 0.92, 0.999, ("clip_sort",))
+    for k_clip, v_clip in RATIO_PAIRS:
+        _round_trip(x, k_clip, v_clip)
 
 
 @pytest.mark.parametrize("bits,group,meta", [(2, None, torch.float16), (2, 32, torch.bfloat16), (2, 16, torch.float32),
                                              (4, None, torch.float16), (4, 16, torch.bfloat16)])
-def test_code_formulations_bit_exact(bits, group, meta):
-    """Division + boundaries (default), division + floor, both per-row threshold searches and the float64
-    thresholds, with and without clip, groups inside and across quarters (d = 96, G = 32 or 16)."""
+def test_groups_bit_exact(bits, group, meta):
+    """Groups inside and across quarters (d = 96, G = 32 or 16), with and without clip."""
     d = 96 if group != 16 else 64
     x = _tie_rows(12 if not GPU else 400, HKV, d, torch.bfloat16)
     v = torch.randn(x.shape) * 5 + 2
-    forms = [(), ("code_floor",)] + ([("code_thr",), ("code_thr8",), ("code_thr64",)] if bits == 2 else [])
-    for form in forms:
-        _round_trip(x, 0.9, 0.0, form, bits=bits, group=group, meta=meta, v=v)
-        _round_trip(x, 0.0, 0.95, form, bits=bits, group=group, meta=meta, v=v)
+    _round_trip(x, 0.9, 0.0, bits=bits, group=group, meta=meta, v=v)
+    _round_trip(x, 0.0, 0.95, bits=bits, group=group, meta=meta, v=v)
 
 
 @pytest.mark.parametrize("meta", [torch.float16, torch.bfloat16, torch.float32])
@@ -317,111 +301,46 @@ def test_metadata_edge_rows_bit_exact(meta):
     x = torch.cat(rows)
     for dtype in (torch.float32, torch.bfloat16):
         xx = x.to(dtype)
-        for form in ((), ("code_thr8",), ("code_floor",)):
-            for k_clip, v_clip in ((0.9, 0.5), (0.0, 0.3)):
-                _round_trip(xx, k_clip, v_clip, form, meta=meta, v=xx * 0.5)
+        for k_clip, v_clip in ((0.9, 0.5), (0.0, 0.3)):
+            _round_trip(xx, k_clip, v_clip, meta=meta, v=xx * 0.5)
+            _round_trip(xx, k_clip, v_clip, bits=4, meta=meta, v=xx * 0.5)
 
 
-def test_launch_knobs_bit_exact():
-    """Rows per block, warps, row blocks per program and prefetch change nothing (45 rows: partial blocks)."""
-    x = _tie_rows(45, 2, 64, torch.bfloat16)
-    for knobs in (("block_r=16",), ("block_r=64", "warps=2"), ("bpp=1", "prefetch=0"), ("bpp=3", "block_r=16")):
-        _round_trip(x, 0.96, 0.92, knobs)
-
-
-def test_variants_validated():
-    fmt = PageFormat(num_kv_heads=1, head_dim=64, page_size=16)
-    kp, vp = _pools(fmt, 2)
-    x = torch.randn(4, 1, 64, device=DEVICE)
-    s = torch.arange(4, device=DEVICE)
-    for bad in (("clip_fast",), ("block_r=24",), ("warps=3",), ("bpp=0",), ("block_r=x",), "code_div", ("rot_fused",)):
-        with pytest.raises(ValueError):
-            quantize_write_triton(kp, vp, x, x, s, variant=bad)
-    fmt4 = PageFormat(num_kv_heads=1, head_dim=64, page_size=16, bits=4)
-    kp4, vp4 = _pools(fmt4, 2)
-    with pytest.raises(ValueError, match="2-bit"):
-        quantize_write_triton(kp4, vp4, x, x, s, variant=("code_thr8",))
-    with pytest.raises(ValueError, match="2-bit"):
-        quantize_write_triton(kp4, vp4, x, x, s, variant=("code_thr64",))
-    fmt6 = PageFormat(num_kv_heads=1, head_dim=6, page_size=16, bits=4)
-    kp6, vp6 = _pools(fmt6, 2)
-    with pytest.raises(ValueError, match="head_dim % 4"):
-        quantize_write_triton(kp6, vp6, x[..., :6], x[..., :6], s)
-
-
-PROBE_VARIANTS = [(), ("code_thr8",), ("code_thr",), ("code_floor",), ("clip_bisect",), ("clip_bottom",),
-                  ("clip_sort",), ("block_r=64",), ("block_r=16", "warps=2"), ("warps=8",), ("bpp=1",), ("bpp=8",),
-                  ("prefetch=1",), ("warps=8", "block_r=64"), ("code_thr8", "block_r=64")]
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gpu_benchmark_shape_every_variant_bit_exact():
-    """The benchmark's shape (32768 rows x 8 KV heads, d 128, bf16, clip 0.96/0.92, page 64, float16 metadata)
-    through every formulation and launch variant of the row kernel (``kernels_probe.py --set all``), against the
-    CPU reference, plus the same rows demoted from a 16-bit tier. Slow: one compilation per variant."""
-    _gpu_benchmark_shape(PROBE_VARIANTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gpu_benchmark_shape_default_bit_exact():
-    """As above for the row-kernel variants that ``kernels_probe.py`` times by default (the fast16 ones are
-    in test_kernels_quantize_fast16.py)."""
-    _gpu_benchmark_shape([(), ("code_thr64",), ("win=0",)])
-
-
-def _gpu_benchmark_shape(variants):
-    n, hkv, d, ps = 32768, 8, 128, 64
-    fmt = PageFormat(num_kv_heads=hkv, head_dim=d, page_size=ps)
-    npages = n // ps + 4
-    k = (torch.randn(n, hkv, d, device=DEVICE) * torch.rand(1, hkv, d, device=DEVICE) * 4).to(torch.bfloat16)
-    v = torch.randn(n, hkv, d, device=DEVICE, dtype=torch.bfloat16)
-    k[::97] = k[::97].float().round().to(torch.bfloat16)  # ties
-    slots = torch.randperm(npages * ps, device=DEVICE)[:n]
-    slots[::1000] = -1
-    kr, vr = poisoned_pages(fmt, npages, "cpu"), poisoned_pages(fmt, npages, "cpu")
-    quantize_write_ref(kr, k.cpu(), slots.cpu(), clip_ratio=0.96)
-    quantize_write_ref(vr, v.cpu(), slots.cpu(), clip_ratio=0.92)
-    for form in variants:
-        kp, vp = _pools(fmt, npages)  # fresh random bytes: an unwritten field cannot match by accident
-        quantize_write_triton(kp, vp, k, v, slots, k_clip=0.96, v_clip=0.92, variant=form)
-        keep = (slots >= 0).cpu()
-        pg, rw = slots.cpu()[keep] // ps, slots.cpu()[keep] % ps
-        for got, ref in ((kp, kr), (vp, vr)):
-            for name in ("codes", "scale", "offset"):
-                g, r = getattr(got, name).cpu()[pg, :, rw], getattr(ref, name)[pg, :, rw]
-                assert torch.equal(_bits(g), _bits(r)), f"{form}: {name} differ"
-    k16, v16 = k.view(4, n // 4, hkv, d).transpose(1, 2), v.view(4, n // 4, hkv, d).transpose(1, 2)
-    seq = torch.arange(n, device=DEVICE) // (n // 4)
-    src = torch.arange(n, device=DEVICE) % (n // 4)
-    kp, vp = _pools(fmt, npages)
-    kr2, vr2 = _cpu_copy(kp), _cpu_copy(vp)
-    demote_triton(kp, vp, k16, v16, seq, src, slots, k_clip=0.96, v_clip=0.92)
-    demote_ref(kr2, vr2, k16.cpu(), v16.cpu(), seq.cpu(), src.cpu(), slots.cpu(), k_clip=0.96, v_clip=0.92)
-    _assert_same(kp, kr2)
-    _assert_same(vp, vr2)
-
-
-@pytest.mark.parametrize("d,bits", [(96, 2), (32, 4)])
-def test_rotation_small_and_padded_quarters(d, bits):
-    """Rotated rows with padded quarters (d/4 = 24 in 32 columns) or short ones (d/4 = 8), 4-bit too: codes
-    bit-exact with quantize() of the kernel's rows, and those rows match x @ R to float32 rounding."""
-    fmt = PageFormat(num_kv_heads=2, head_dim=d, page_size=16, bits=bits)
-    kp, vp = _pools(fmt, 3)
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_every_kv_format_pair_bit_exact(fmt):
+    """K and V pools of different bits and key layouts (one launch per pool where they differ), 16-bit and
+    float32 rows, write and demote; channel-page keys in whole pages (one all-padding page)."""
+    kb, lay, vb = fmt
+    d, ps = (128, 64) if GPU else (64, 16)
+    kf = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=ps, bits=kb, layout=lay)
+    vf = PageFormat(num_kv_heads=HKV, head_dim=d, page_size=ps, bits=vb)
+    npages = 6
+    n = 4 * ps
+    slots = (torch.randperm(npages)[:4, None] * ps + torch.arange(ps)).reshape(-1).to(DEVICE)
+    slots[ps:2 * ps] = -1  # an all-padding page (channel keys) / padding rows
+    if lay == "token":
+        slots[5] = -1
+    for dtype in (torch.bfloat16, torch.float32):
+        kp, vp = poisoned_pages(kf, npages, DEVICE), poisoned_pages(vf, npages, DEVICE)
+        kr, vr = _cpu_copy(kp), _cpu_copy(vp)
+        k = (torch.randn(n, HKV, d) * 3).to(dtype)
+        v = torch.randn(n, HKV, d).to(dtype)
+        kc = 0.0 if lay == "channel" else 0.96
+        quantize_write_triton(kp, vp, k.to(DEVICE), v.to(DEVICE), slots, k_clip=kc, v_clip=0.92)
+        quantize_write_ref(kr, k, slots.cpu(), clip_ratio=kc)
+        quantize_write_ref(vr, v, slots.cpu(), clip_ratio=0.92)
+        _assert_same(kp, kr)
+        _assert_same(vp, vr)
+    B, c16 = 2, 2 * ps
+    k16 = torch.randn(B, HKV, c16, d, dtype=torch.bfloat16)
+    v16 = torch.randn(B, HKV, c16, d, dtype=torch.bfloat16)
+    seq = torch.arange(n, dtype=torch.int32) // (2 * ps)
+    src = torch.arange(n, dtype=torch.int32) % (2 * ps)
+    kp, vp = poisoned_pages(kf, npages, DEVICE), poisoned_pages(vf, npages, DEVICE)
     kr, vr = _cpu_copy(kp), _cpu_copy(vp)
-    r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].float().to(DEVICE)
-    k = torch.randn(20, 2, d, device=DEVICE, dtype=torch.bfloat16)
-    v = torch.randn(20, 2, d, device=DEVICE)
-    slots = _slots(20, fmt, 3)
-    dbg = (torch.zeros(20, 2, d, device=DEVICE), torch.zeros(20, 2, d, device=DEVICE))
-    quantize_write_triton(kp, vp, k, v, slots, k_rotation=r, v_rotation=r, k_clip=0.9, v_clip=0.5, debug_rows=dbg)
-    keep = (slots >= 0).cpu()
-    for x, rows in ((k, dbg[0]), (v, dbg[1])):
-        want = x.double().cpu() @ r.double().cpu()
-        assert (rows.cpu()[keep].double() - want[keep]).abs().max() < 1e-4 * want.abs().max()
-    quantize_write_ref(kr, dbg[0].cpu()[keep], slots.cpu()[keep], clip_ratio=0.9)
-    quantize_write_ref(vr, dbg[1].cpu()[keep], slots.cpu()[keep], clip_ratio=0.5)
+    kc = 0.0 if lay == "channel" else 0.9
+    demote_triton(kp, vp, k16.to(DEVICE), v16.to(DEVICE), seq.to(DEVICE), src.to(DEVICE), slots, k_clip=kc,
+                  v_clip=0.92)
+    demote_ref(kr, vr, k16, v16, seq, src, slots.cpu(), k_clip=kc, v_clip=0.92)
     _assert_same(kp, kr)
     _assert_same(vp, vr)

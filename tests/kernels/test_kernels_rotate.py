@@ -20,7 +20,7 @@ def test_rotate_rows_matches_reference(n, case):
     x = torch.randn(n, H * group, d, generator=g).to(dt).to(DEVICE)
     r = torch.stack([random_orthogonal(d, g) for _ in range(H)]).to(DEVICE)
     mu = None if case == "query" else (torch.randn(H, d, generator=g) * 0.5).to(DEVICE)
-    kw = dict(transpose=case == "output", mean_after=case == "output")
+    kw = {"transpose": case == "output", "mean_after": case == "output"}
     out_dtype = torch.float16 if case == "output" else torch.bfloat16
     rows = torch.randperm(2 * n + 3, generator=g)[:n].to(DEVICE) if case == "key_ring" else None
     outs = []
