@@ -15,6 +15,7 @@ Also here: the KIVI per-channel key quantizer and the optional Lloyd-Max (non-un
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -63,8 +64,21 @@ def resolve_meta_dtype(meta_dtype: torch.dtype | str) -> torch.dtype:
     return meta_dtype
 
 
+def check_clip_ratio(ratio: float) -> float:
+    """``ratio`` as a float in [0, 1] (0 and 1 both mean no clipping); ``ValueError`` for anything else."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (numbers.Real, Tensor)):
+        raise ValueError(f"clip_ratio must be a number in [0, 1] (0 or 1: no clipping), got {ratio!r}")
+    r = float(ratio)
+    if not 0.0 <= r <= 1.0:  # NaN fails the comparison too
+        what = "NaN" if r != r else repr(ratio)
+        raise ValueError(f"clip_ratio must be a number in [0, 1] (0 or 1: no clipping), got {what}")
+    return r
+
+
 def clip_index(ratio: float, dim: int) -> int | None:
-    """0-based order statistic used as the clip threshold, or None where ``ratio`` disables clipping."""
+    """0-based order statistic used as the clip threshold, or None where ``ratio`` disables clipping. Raises
+    ``ValueError`` for a ratio outside [0, 1] (:func:`check_clip_ratio`)."""
+    ratio = check_clip_ratio(ratio)
     if ratio <= 0.0 or ratio >= 1.0:
         return None
     return min(math.floor(ratio * dim), dim - 1)
@@ -249,6 +263,7 @@ __all__ = [
     "unpack",
     "clip_rows",
     "clip_index",
+    "check_clip_ratio",
     "clip_rows_grid",
     "quantize_lloyd_max",
     "quantize_per_channel",

@@ -237,6 +237,11 @@ class LLM:
         self.metrics.inc("prompt_tokens_total", len(seq.prompt))
         return seq
 
+    def abort(self, seq: Sequence) -> bool:
+        """Stop a queued or running request now (``finish_reason`` "abort"), freeing its pages and slot; False
+        if it had already finished."""
+        return seq.finish_reason is None and self.engine.abort(seq.id)
+
     def step(self) -> list[Sequence]:
         done = self.engine.step()
         for seq in done:
