@@ -30,9 +30,10 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,7 +75,7 @@ class ModelIdentity:
     name: str = ""
 
     @classmethod
-    def from_config(cls, config: Any, name: str = "") -> "ModelIdentity":
+    def from_config(cls, config: Any, name: str = "") -> ModelIdentity:
         """Read the identity of a transformers config (or a config with a ``text_config``)."""
         cfg = getattr(config, "text_config", None) or config
         arch = getattr(cfg, "model_type", None)
@@ -97,7 +98,7 @@ class ModelIdentity:
             name=name or getattr(cfg, "_name_or_path", "") or "",
         )
 
-    def differences(self, other: "ModelIdentity") -> list[str]:
+    def differences(self, other: ModelIdentity) -> list[str]:
         """Human-readable list of fields that differ (the free-form name is not compared)."""
         out = []
         for key in ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size"):
@@ -156,7 +157,7 @@ class TensorFormat:
         return {"layout": self.layout, "bits": self.bits, "rotation": self.rotation, "clip": self.clip}
 
     @classmethod
-    def from_dict(cls, data: Any) -> "TensorFormat":
+    def from_dict(cls, data: Any) -> TensorFormat:
         if isinstance(data, TensorFormat):
             return data
         if not isinstance(data, Mapping):
@@ -311,7 +312,7 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, model: Any = None) -> "Calibration":
+    def load(cls, path: str | Path, model: Any = None) -> Calibration:
         """Load an artifact folder; with ``model`` (a transformers model, config or :class:`ModelIdentity`)
         also check that it belongs to that model.
 
@@ -364,7 +365,7 @@ class Calibration:
 
     # ------------------------------------------------------------------------------------ constructors
     @classmethod
-    def identity(cls, model: ModelIdentity, spec: QuantSpec | None = None, clip: float = 0.0) -> "Calibration":
+    def identity(cls, model: ModelIdentity, spec: QuantSpec | None = None, clip: float = 0.0) -> Calibration:
         """Identity rotations, zero means, fixed clip: for tests and for data-free baselines."""
         spec = spec or QuantSpec(k_clip=clip, v_clip=clip, centering=False, composition="none")
         L, H, d = model.num_layers, model.num_kv_heads, model.head_dim
@@ -380,7 +381,7 @@ class Calibration:
     @classmethod
     def from_rotation_zoo(
         cls, k_path: str | Path, v_path: str | Path, model: Any, spec: QuantSpec | None = None
-    ) -> "Calibration":
+    ) -> Calibration:
         """Import reference RotationZoo ``.pt`` files (``{"layers": {i: {"rotation", "eigenvalues"}}}``) for
         keys and values. Loaded with ``weights_only=True``; means are zero (the reference does not center)."""
         ident = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
@@ -516,5 +517,14 @@ def _identity(data: Any, where: str) -> ModelIdentity:
     return ModelIdentity(**data)
 
 
-__all__ = ["Calibration", "ModelIdentity", "ArtifactError", "UnsupportedModelError", "FORMAT_VERSION", "TensorFormat",
-           "parse_layer_format", "LAYER_FORMATS_VERSION", "orthogonality_tolerance"]
+__all__ = [
+    "FORMAT_VERSION",
+    "LAYER_FORMATS_VERSION",
+    "ArtifactError",
+    "Calibration",
+    "ModelIdentity",
+    "TensorFormat",
+    "UnsupportedModelError",
+    "orthogonality_tolerance",
+    "parse_layer_format",
+]

@@ -14,8 +14,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from oscarkv.artifact import (META_FILE, TENSOR_FILE, ArtifactError, Calibration, ModelIdentity,
-                              orthogonality_tolerance)
+from oscarkv.artifact import (
+    META_FILE,
+    TENSOR_FILE,
+    ArtifactError,
+    Calibration,
+    ModelIdentity,
+    orthogonality_tolerance,
+)
 from oscarkv.config import QuantSpec
 from oscarkv.rotation import random_orthogonal
 

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"oscarkv {args.command}: error: {_one_line(str(e.code)).removeprefix('error: ')}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - the one place errors become messages
+    except Exception as e:
         if args.debug:
             raise
         from oscarkv.models import ModelNotAvailableError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
                     graceful_timeout_s=args.graceful_timeout, log_level=args.log_level)
     print(f"serving {config.model_name} ({args.kv} cache, {llm.pool.nbytes() / 2**30:.2f} GiB pool) on {server.url}"
           "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)", flush=True)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then raises the signal again; these handlers take
+    # that second delivery, so a clean stop exits 0 (the engine loop has already stopped by then).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     print("oscarkv serve: stopped", flush=True)
     return 0

@@ -15,8 +15,8 @@ try:
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError(f"oscarkv.serve needs {e.name}: pip install 'oscar-kv[serve]'", name=e.name) from None
 
-from .app import ServeConfig, build_app  # noqa: E402
-from .loop import EngineLoop  # noqa: E402
-from .server import Server  # noqa: E402
+from .app import ServeConfig, build_app
+from .loop import EngineLoop
+from .server import Server
 
-__all__ = ["Server", "ServeConfig", "build_app", "EngineLoop"]
+__all__ = ["EngineLoop", "ServeConfig", "Server", "build_app"]

@@ -56,8 +56,9 @@ class ServeConfig:
     stall_timeout_s: float = 300.0
 
 
-def build_app(llm: LLM, config: ServeConfig = ServeConfig()) -> FastAPI:
+def build_app(llm: LLM, config: ServeConfig | None = None) -> FastAPI:
     """The ASGI app serving ``llm``. Its lifespan starts and stops the engine loop (``app.state.loop``)."""
+    config = config or ServeConfig()
     metrics = ServeMetrics()
     loop = EngineLoop(llm, metrics, stall_timeout_s=config.stall_timeout_s)
     metrics.watch(loop)
@@ -270,24 +271,25 @@ class _Api:
                                      headers={"Cache-Control": "no-cache"})
         return await self._complete(request, sub, queue, reply)
 
-    async def _complete(self, request: Request, sub: Submission, queue: asyncio.Queue, reply: "_Reply") -> Response:
+    async def _complete(self, request: Request, sub: Submission, queue: asyncio.Queue, reply: _Reply) -> Response:
         collect = asyncio.ensure_future(_collect(queue, len(sub.params)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not collect.done():
+            gone.cancel()
+            left = not collect.done()  # the client went away (or this handler was cancelled)
+            if left:
                 collect.cancel()
                 self.loop.abort(sub)
-            gone.cancel()
-        if collect.cancelled():
-            return Response(status_code=499)  # nobody reads it: the client went away
+        if left:
+            return Response(status_code=499)  # nobody reads it
         result = collect.result()
         if isinstance(result, Failed):
             raise APIError(result.status, result.message)
         return JSONResponse(reply.body(result))
 
-    async def _stream(self, sub: Submission, queue: asyncio.Queue, reply: "_Reply") -> AsyncIterator[bytes]:
+    async def _stream(self, sub: Submission, queue: asyncio.Queue, reply: _Reply) -> AsyncIterator[bytes]:
         finished = 0
         try:
             for index in range(len(sub.params)):
@@ -407,4 +409,4 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-__all__ = ["build_app", "ServeConfig"]
+__all__ = ["ServeConfig", "build_app"]

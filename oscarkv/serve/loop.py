@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..engine import LLM, Completion, SamplingParams
 
@@ -138,7 +139,7 @@ class EngineLoop:
         if self._lock.acquire(timeout=wait_s):
             try:
                 self._gauges = dict(self.llm.gauges())
-            except Exception:  # noqa: BLE001 - a metrics scrape must not fail on an engine fault
+            except Exception:
                 log.exception("reading the engine gauges failed")
             finally:
                 self._lock.release()
@@ -155,7 +156,7 @@ class EngineLoop:
                 self._drain(block=not self._has_work())
                 if self._has_work() and not self._stopping.is_set():
                     self._step()
-        except BaseException as e:  # noqa: BLE001 - last resort: report it through /health, never vanish
+        except BaseException as e:
             log.exception("the engine loop stopped")
             self.broken = f"the engine loop stopped: {type(e).__name__}: {e}"
         finally:
@@ -182,7 +183,7 @@ class EngineLoop:
                     self._add(sub)
                 elif kind == "abort":
                     self._abort(sub)
-            except Exception:  # noqa: BLE001 - the handlers fail their own request; this is a bug guard
+            except Exception:
                 log.exception("handling %s failed", kind)
             try:
                 item = self._inbox.get_nowait()
@@ -200,7 +201,7 @@ class EngineLoop:
                     seq = self.llm.submit(sub.prompt, params, on_token=self._on_token)
                     sub.seqs.append(seq)
                     self._live[id(seq)] = (sub, index)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._discard(sub)
             if isinstance(e, ValueError):
                 sub.emit(Failed(400, str(e)))
@@ -225,7 +226,7 @@ class EngineLoop:
             try:
                 with self._lock:
                     self.llm.abort(seq)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("aborting a request failed")
         return found
 
@@ -234,7 +235,7 @@ class EngineLoop:
         try:
             with self._lock:
                 done = self.llm.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests involved, keep serving
+        except Exception as e:
             log.exception("an engine step failed")
             self.metrics.step_error()
             self._fail_all(500, f"the engine failed while running this request ({type(e).__name__}: {e}); "
@@ -258,7 +259,7 @@ class EngineLoop:
             return
         try:
             completion = self.llm.completion(seq)
-        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: fail this request only
+        except Exception as e:
             log.exception("building a completion failed")
             self._discard(sub)
             sub.emit(Failed(500, f"decoding the output failed: {type(e).__name__}: {e}"))
@@ -276,7 +277,7 @@ class EngineLoop:
             text = self._stable_text(seq) if sub.stream_text else None
             self.metrics.token(sub, index)
             sub.emit(Token(index, int(token), text))
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("delivering a token failed")
 
     def _stable_text(self, seq: Any) -> str | None:
@@ -294,4 +295,4 @@ class EngineLoop:
             sub.emit(Failed(status, message))
 
 
-__all__ = ["EngineLoop", "Submission", "Accepted", "Token", "Done", "Failed", "Event"]
+__all__ = ["Accepted", "Done", "EngineLoop", "Event", "Failed", "Submission", "Token"]

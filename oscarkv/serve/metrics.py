@@ -10,7 +10,8 @@ count (``oscarkv_preemptions_total``) and, for the OSCAR cache, the quantization
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -111,4 +112,4 @@ class _EngineCollector(Collector):
             yield family
 
 
-__all__ = ["ServeMetrics", "PREFIX"]
+__all__ = ["PREFIX", "ServeMetrics"]

@@ -21,18 +21,19 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                408: "timeout_error", 413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
 class APIError(Exception):
     """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-             408: "timeout_error", 413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -177,4 +178,4 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
 
 
-__all__ = ["APIError", "CompletionRequest", "ChatRequest", "Message", "StreamOptions", "parse", "MAX_N"]
+__all__ = ["MAX_N", "APIError", "ChatRequest", "CompletionRequest", "Message", "StreamOptions", "parse"]

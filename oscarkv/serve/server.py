@@ -20,7 +20,7 @@ class _HeadTimeoutH11(H11Protocol):
     closed, however slowly it trickles bytes. (Upstream only times out idle keep-alive connections, and any byte
     resets that timer.)"""
 
-    def connection_made(self, transport) -> None:  # noqa: ANN001
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
@@ -40,10 +40,10 @@ class Server:
         graceful_timeout_s: on shutdown, seconds in-flight requests get to finish before they are cancelled.
     """
 
-    def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig = ServeConfig(), *,
+    def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None, *,
                  max_connections: int = 512, head_timeout_s: float = 10.0, graceful_timeout_s: float = 30.0,
                  log_level: str = "warning"):
-        self.app = build_app(llm, config)
+        self.app = build_app(llm, config or ServeConfig())
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=2048)
         self.host, self.port = host, self.socket.getsockname()[1]
@@ -59,7 +59,7 @@ class Server:
         return f"http://{host}:{self.port}"
 
     @property
-    def loop(self):  # noqa: ANN201 - the EngineLoop
+    def loop(self):
         return self.app.state.loop
 
     def run(self) -> None:
@@ -67,7 +67,7 @@ class Server:
         (up to ``graceful_timeout_s``) and stop the engine loop."""
         self.uvicorn.run(sockets=[self.socket])
 
-    def start(self, timeout: float = 60.0) -> "Server":
+    def start(self, timeout: float = 60.0) -> Server:
         """Serve from a background thread; returns once the server accepts requests."""
         self._thread = threading.Thread(target=self.run, name="oscarkv-http", daemon=True)
         self._thread.start()

@@ -7,9 +7,10 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import torch
@@ -21,7 +22,7 @@ from oscarkv.engine.llm import identity_of
 from oscarkv.serve import ServeConfig, Server
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "calib"))
-from calib_helpers import tiny_model, word_tokenizer  # noqa: E402
+from calib_helpers import tiny_model, word_tokenizer
 
 VOCAB = PRESETS["tiny-llama"].vocab_size
 
@@ -93,7 +94,7 @@ def raw_request(port: int, data: bytes, wait_s: float = 10.0) -> bytes:
         while time.monotonic() < deadline:
             try:
                 chunk = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break

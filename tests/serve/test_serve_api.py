@@ -10,10 +10,19 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import (
+    chat_llm,
+    metric,
+    raw_request,
+    serving,
+    sse,
+    status_of,
+    stream_tokens,
+    tiny_llm,
+    wait_idle,
+)
 
 from oscarkv.serve import ServeConfig
-from serve_helpers import (chat_llm, metric, raw_request, serving, sse, status_of, stream_tokens, tiny_llm,
-                           wait_idle)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +103,7 @@ def test_invalid_fields_are_rejected(client, field, value, words):
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_rejected(client, literal):
     for field in ("temperature", "top_p"):
-        body = '{"prompt": [1, 2], "%s": %s}' % (field, literal)
+        body = f'{{"prompt": [1, 2], "{field}": {literal}}}'
         r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert_error(r, 400, field, "finite")
 
