@@ -114,7 +114,7 @@ def build_app(llm: LLM, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         card = {"id": config.model_name, "object": "model", "created": api.started, "owned_by": "oscarkv",
-                "max_model_len": api.max_model_len}
+                "max_model_len": api.max_model_len, "device": api.device}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")
@@ -147,6 +147,7 @@ class _Api:
         self.vocab_size = llm.model.cfg.vocab_size
         self.max_model_len = llm.engine.max_model_len
         self.started = int(time.time())
+        self.device = _device_name(next(llm.model.parameters()).device)
         # one thread: the tokenizer is used from one server thread at a time
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="oscarkv-tokenize")
 
@@ -377,6 +378,14 @@ class _Reply:
     @staticmethod
     def sse(obj: dict) -> bytes:
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _device_name(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def _emitter(queue: asyncio.Queue) -> Any:
