@@ -315,6 +315,28 @@ def test_health_reports_a_broken_engine_and_requests_get_503():
         assert metric(c.get("/metrics").text, "oscarkv_engine_healthy") == 0
 
 
+def test_health_reports_a_stalled_step_then_recovers():
+    llm = tiny_llm("bf16")
+    real_step, calls = llm.step, []
+
+    def slow_step():
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(1.5)
+        return real_step()
+
+    llm.step = slow_step
+    with serving(llm, ServeConfig(model_name="tiny", stall_timeout_s=0.5)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        done = []
+        t = threading.Thread(target=lambda: done.append(complete(c, max_tokens=4, ignore_eos=True).status_code))
+        t.start()
+        time.sleep(1.0)
+        assert_error(c.get("/health"), 503, "inside one step for more than 0.5 s")
+        t.join()
+        assert done == [200] and c.get("/health").status_code == 200
+
+
 # ---------------------------------------------------------------------------------------------- metrics
 def test_metric_counters_count():
     llm = tiny_llm("oscar", pages=24)  # 96 tokens of 2-bit pages: 8 concurrent requests must preempt
