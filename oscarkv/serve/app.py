@@ -252,7 +252,7 @@ class _Api:
     async def generate(self, request: Request, req: Any, prompt: list[int], limit: int | None,
                        chat: bool) -> Response:
         queue: asyncio.Queue = asyncio.Queue()
-        sub = Submission(prompt, self.sampling(req, limit, len(prompt)), _emitter(queue),
+        sub = Submission(prompt, self.sampling(req, limit, len(prompt)), _emitter(queue), stream=req.stream,
                          stream_text=req.stream and self.tokenizer is not None)
         self.loop.submit(sub)
         try:
@@ -268,8 +268,7 @@ class _Api:
         assert isinstance(first, Accepted), first
         reply = _Reply(req, chat, self.config.model_name, len(prompt))
         if req.stream:
-            return StreamingResponse(self._stream(sub, queue, reply), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(self._stream(sub, queue, reply), on_close=lambda: self.loop.abort(sub))
         return await self._complete(request, sub, queue, reply)
 
     async def _complete(self, request: Request, sub: Submission, queue: asyncio.Queue, reply: _Reply) -> Response:
@@ -292,31 +291,40 @@ class _Api:
 
     async def _stream(self, sub: Submission, queue: asyncio.Queue, reply: _Reply) -> AsyncIterator[bytes]:
         finished = 0
+        for index in range(len(sub.params)):
+            if reply.chat:
+                yield reply.sse(reply.chunk(index, "", None, [], role=True))
+        while finished < len(sub.params):
+            event = await queue.get()
+            if isinstance(event, Failed):
+                self.metrics.error(event.status)
+                yield reply.sse(APIError(event.status, event.message).body())
+                break
+            if isinstance(event, Token):
+                yield reply.sse(reply.chunk(event.index, reply.delta(event.index, event.text), None, [event.token]))
+            elif isinstance(event, Done):
+                finished += 1
+                c = event.completion
+                reply.finish(event.index, c)
+                yield reply.sse(reply.chunk(event.index, reply.delta(event.index, c.text or ""), c.finish_reason, []))
+        if finished == len(sub.params) and reply.include_usage:
+            yield reply.sse(reply.usage_chunk())
+        yield b"data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (finished, failed, client gone, even
+    before the first event), so an unfinished request is always aborted."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Any):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            for index in range(len(sub.params)):
-                if reply.chat:
-                    yield reply.sse(reply.chunk(index, "", None, [], role=True))
-            while finished < len(sub.params):
-                event = await queue.get()
-                if isinstance(event, Failed):
-                    self.metrics.error(event.status)
-                    yield reply.sse(APIError(event.status, event.message).body())
-                    break
-                if isinstance(event, Token):
-                    yield reply.sse(reply.chunk(event.index, reply.delta(event.index, event.text), None,
-                                                [event.token]))
-                elif isinstance(event, Done):
-                    finished += 1
-                    c = event.completion
-                    reply.finish(event.index, c)
-                    yield reply.sse(reply.chunk(event.index, reply.delta(event.index, c.text or ""),
-                                                c.finish_reason, []))
-            if finished == len(sub.params) and reply.include_usage:
-                yield reply.sse(reply.usage_chunk())
-            yield b"data: [DONE]\n\n"
+            await super().__call__(scope, receive, send)
         finally:
-            if finished < len(sub.params):  # the client went away, or the request failed
-                self.loop.abort(sub)
+            self.on_close()
 
 
 class _Reply:

@@ -67,6 +67,7 @@ class Submission:
     prompt: list[int]
     params: list[SamplingParams]
     emit: Callable[[Event], None]
+    stream: bool = False  # Token events are sent only for streaming requests
     stream_text: bool = False
     created: float = field(default_factory=time.monotonic)
     seqs: list[Any] = field(default_factory=list)
@@ -274,9 +275,10 @@ class EngineLoop:
             if entry is None:
                 return
             sub, index = entry
-            text = self._stable_text(seq) if sub.stream_text else None
             self.metrics.token(sub, index)
-            sub.emit(Token(index, int(token), text))
+            if sub.stream:
+                text = self._stable_text(seq) if sub.stream_text else None
+                sub.emit(Token(index, int(token), text))
         except Exception:
             log.exception("delivering a token failed")
 
