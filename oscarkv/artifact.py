@@ -52,6 +52,7 @@ TENSOR_FILE, META_FILE = "rotations.safetensors", "oscar.json"
 META_KEYS = ("format", "format_version", "spec", "model", "provenance", "layer_formats", "layer_formats_version",
              "files")
 ORTHOGONALITY_TOL_PER_DIM = 1e-6  # see orthogonality_tolerance
+_IDENTITY_INTS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size")
 
 
 class ArtifactError(ValueError):
@@ -506,15 +507,19 @@ def _identity(data: Any, where: str) -> ModelIdentity:
     if not isinstance(data, dict):
         raise ArtifactError(f"{where} model must be a mapping, got {type(data).__name__}")
     fields = [f.name for f in dataclasses.fields(ModelIdentity)]
-    unknown, missing = sorted(set(data) - set(fields)), [f for f in fields[:-1] if f not in data]
+    required = ("architecture", *_IDENTITY_INTS)
+    unknown, missing = sorted(set(data) - set(fields)), [f for f in required if f not in data]
     if unknown or missing:
         raise ArtifactError(f"{where} model has unknown key(s) {unknown} / lacks {missing}; valid: {fields}")
-    for key in fields[1:-1]:
+    for key in _IDENTITY_INTS:
         if type(data[key]) is not int or data[key] < 1:
             raise ArtifactError(f"{where} model.{key} must be an int >= 1, got {data[key]!r}")
     if not isinstance(data["architecture"], str) or not isinstance(data.get("name", ""), str):
         raise ArtifactError(f"{where} model.architecture and model.name must be strings")
-    return ModelIdentity(**data)
+    try:
+        return ModelIdentity(**data)
+    except (TypeError, ValueError) as e:  # the identity's own checks (ArtifactError is a ValueError)
+        raise ArtifactError(f"{where} model: {e}") from None
 
 
 __all__ = [

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                          max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout)
     server = Server(llm, args.host, args.port, config, max_connections=args.max_connections,
                     graceful_timeout_s=args.graceful_timeout, log_level=args.log_level)
-    print(f"serving {config.model_name} ({args.kv} cache, {llm.pool.nbytes() / 2**30:.2f} GiB pool) on {server.url}"
+    pool_gib = llm.gauges()["kv_pool_bytes"] / 2**30
+    print(f"serving {config.model_name} ({args.kv} cache, {pool_gib:.2f} GiB pool) on {server.url}"
           "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)", flush=True)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then raises the signal again; these handlers take
     # that second delivery, so a clean stop exits 0 (the engine loop has already stopped by then).

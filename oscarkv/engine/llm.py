@@ -237,10 +237,10 @@ class LLM:
         self.metrics.inc("prompt_tokens_total", len(seq.prompt))
         return seq
 
-    def abort(self, seq: Sequence) -> bool:
-        """Stop a queued or running request now (``finish_reason`` "abort"), freeing its pages and slot; False
-        if it had already finished."""
-        return seq.finish_reason is None and self.engine.abort(seq.id)
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a queued or running request (``finish_reason`` "abort", its pages and slot freed); False if it
+        is not (or no longer) in the engine."""
+        return self.engine.abort(seq_id)
 
     def step(self) -> list[Sequence]:
         done = self.engine.step()

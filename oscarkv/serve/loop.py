@@ -226,7 +226,7 @@ class EngineLoop:
             found = True
             try:
                 with self._lock:
-                    self.llm.abort(seq)
+                    self.llm.abort(seq.id)
             except Exception:
                 log.exception("aborting a request failed")
         return found
@@ -254,9 +254,10 @@ class EngineLoop:
         if entry is None:
             return
         sub, index = entry
-        if seq.finish_reason not in NORMAL_FINISH:
+        if seq.finish_reason not in NORMAL_FINISH:  # the engine failed this request alone ("error")
             self._discard(sub)
-            sub.emit(Failed(500, f"the engine ended this request with {seq.finish_reason!r}"))
+            why = getattr(seq, "error", None) or f"finish_reason {seq.finish_reason!r}"
+            sub.emit(Failed(500, f"the engine failed on this request: {why}"))
             return
         try:
             completion = self.llm.completion(seq)

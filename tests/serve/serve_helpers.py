@@ -122,6 +122,12 @@ def wait_idle(llm: LLM, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def assert_no_pages_held(llm: LLM) -> None:
+    """Every KV page is free again (no request holds or leaked one)."""
+    g = llm.gauges()
+    assert g["kv_pages_free"] == g["kv_pages_total"], g
+
+
 def metric(text: str, name: str) -> float:
     """The value of an unlabelled sample in Prometheus text."""
     for line in text.splitlines():

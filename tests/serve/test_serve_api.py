@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from serve_helpers import (
+    assert_no_pages_held,
     chat_llm,
     metric,
     raw_request,
@@ -251,7 +252,7 @@ def test_bad_requests_never_kill_the_engine_nor_touch_an_innocent_stream():
         assert c.get("/health").status_code == 200
         assert complete(c).status_code == 200
         wait_idle(llm)
-        assert llm.pool.alloc.num_free == llm.pool.alloc.capacity
+        assert_no_pages_held(llm)
 
 
 def test_a_failing_step_fails_its_requests_with_500_and_the_loop_keeps_serving():
@@ -277,7 +278,7 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_loop_keeps_serving()
         assert metric(text, "oscarkv_engine_step_errors_total") == 1
         assert metric(text, "oscarkv_requests_failed_total") == 1
         wait_idle(llm)
-        assert llm.pool.alloc.num_free == llm.pool.alloc.capacity
+        assert_no_pages_held(llm)
 
 
 def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
@@ -381,7 +382,7 @@ def test_a_client_disconnect_aborts_its_request(stream):
         s.close()
         wait_idle(llm, 10)
         assert not llm.engine.has_work()
-        assert llm.pool.alloc.num_free == llm.pool.alloc.capacity
+        assert_no_pages_held(llm)
         with httpx.Client(base_url=srv.url) as c:
             text = c.get("/metrics").text
         assert metric(text, "oscarkv_requests_aborted_total") == 1

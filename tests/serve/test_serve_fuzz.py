@@ -10,7 +10,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from serve_helpers import serving, tiny_model, wait_idle, word_tokenizer
+from serve_helpers import (
+    assert_no_pages_held,
+    serving,
+    tiny_model,
+    wait_idle,
+    word_tokenizer,
+)
 
 from oscarkv.engine import LLM
 from oscarkv.serve.protocol import (
@@ -126,5 +132,5 @@ def test_live_server_is_healthy_after_the_fuzz(live):
     llm, client = live
     wait_idle(llm)
     assert client.get("/health").status_code == 200
-    assert llm.pool.alloc.num_free == llm.pool.alloc.capacity
+    assert_no_pages_held(llm)
     assert "oscarkv_requests_failed_total 0.0" in client.get("/metrics").text

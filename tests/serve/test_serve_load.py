@@ -11,7 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_helpers import metric, serving, sse, stream_tokens, tiny_llm, wait_idle
+from serve_helpers import (
+    assert_no_pages_held,
+    metric,
+    serving,
+    sse,
+    stream_tokens,
+    tiny_llm,
+    wait_idle,
+)
 from test_serve_api import BAD_REQUESTS
 
 N_REQUESTS, CONCURRENCY = 200, 32
@@ -97,7 +105,7 @@ def test_load_with_cancellations_preemption_and_bad_requests(kv):
             assert len(variants) == 1, f"identical requests gave different outputs: {key}"
         wait_idle(llm)
         assert not llm.engine.has_work()
-        assert llm.pool.alloc.num_free == llm.pool.alloc.capacity  # no leaked pages
+        assert_no_pages_held(llm)  # no leaked pages
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             text = c.get("/metrics").text
