@@ -244,7 +244,9 @@ def test_fuzz_truncation_is_refused(tmp_path_factory, name, keep, legacy):
     if legacy:
         edit_meta(path, lambda m: m.pop("files"))
     data = (path / name).read_bytes()
-    (path / name).write_bytes(data[: int(len(data) * keep)])
+    cut = data[: int(len(data) * keep)]
+    assume(cut.rstrip() != data.rstrip())  # dropping the JSON's final newline damages nothing
+    (path / name).write_bytes(cut)
     with pytest.raises(ArtifactError) as e:
         Calibration.load(path)
     assert "\n" not in str(e.value)
