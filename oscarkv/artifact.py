@@ -15,23 +15,32 @@ k_clip   [L]                   clip ratio per layer for keys (0 = no clipping)
 v_clip   [L]                   clip ratio per layer for values
 ======== ===================== ===========================================================
 
-``oscar.json`` holds the format version, the :class:`~oscarkv.config.QuantSpec`, the model identity and
-the calibration provenance. :meth:`Calibration.load` checks everything against a model and refuses a
-mismatch with a message that names each difference.
+``oscar.json`` holds the format version, the :class:`~oscarkv.config.QuantSpec`, the model identity, the
+calibration provenance and the sha256 and size of ``rotations.safetensors`` (``files``). :meth:`Calibration.load`
+checks the file against that record, every value (finite, shapes, orthogonal rotations, clips, window) and,
+given a model, the model identity; each failure is one ``ArtifactError`` line that names the file and the fault.
+Artifacts saved before the ``files`` record existed still load, with a warning saying how to add the record
+(their values are checked all the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .config import QuantSpec
-from .rotation import check_orthogonal
+from .config import ConfigError, QuantSpec
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LAYER_FORMATS_VERSION = 1  # schema of ``layer_formats`` entries (written next to them in oscar.json)
@@ -39,6 +48,11 @@ FORMAT_LAYOUTS = ("token", "channel")
 FORMAT_ROTATIONS = ("calibrated", "hadamard", "none")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
 TENSOR_NAMES = ("r_k", "r_v", "eig_k", "eig_v", "mu_k", "mu_v", "k_clip", "v_clip")
+TENSOR_FILE, META_FILE = "rotations.safetensors", "oscar.json"
+META_KEYS = ("format", "format_version", "spec", "model", "provenance", "layer_formats", "layer_formats_version",
+             "files")
+ORTHOGONALITY_TOL_PER_DIM = 1e-6  # see orthogonality_tolerance
+_IDENTITY_INTS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size")
 
 
 class ArtifactError(ValueError):
@@ -62,7 +76,7 @@ class ModelIdentity:
     name: str = ""
 
     @classmethod
-    def from_config(cls, config: Any, name: str = "") -> "ModelIdentity":
+    def from_config(cls, config: Any, name: str = "") -> ModelIdentity:
         """Read the identity of a transformers config (or a config with a ``text_config``)."""
         cfg = getattr(config, "text_config", None) or config
         arch = getattr(cfg, "model_type", None)
@@ -85,7 +99,7 @@ class ModelIdentity:
             name=name or getattr(cfg, "_name_or_path", "") or "",
         )
 
-    def differences(self, other: "ModelIdentity") -> list[str]:
+    def differences(self, other: ModelIdentity) -> list[str]:
         """Human-readable list of fields that differ (the free-form name is not compared)."""
         out = []
         for key in ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size"):
@@ -144,7 +158,7 @@ class TensorFormat:
         return {"layout": self.layout, "bits": self.bits, "rotation": self.rotation, "clip": self.clip}
 
     @classmethod
-    def from_dict(cls, data: Any) -> "TensorFormat":
+    def from_dict(cls, data: Any) -> TensorFormat:
         if isinstance(data, TensorFormat):
             return data
         if not isinstance(data, Mapping):
@@ -223,9 +237,35 @@ class Calibration:
         """Layer ``i``'s selected ``(key, value)`` formats, or ``None`` without ``layer_formats``."""
         return None if self.layer_formats is None else parse_layer_format(self.layer_formats[i], i)
 
-    def check_orthogonal(self, atol: float = 1e-4) -> None:
-        check_orthogonal(self.r_k, atol, "r_k")
-        check_orthogonal(self.r_v, atol, "r_v")
+    def check_orthogonal(self, atol: float | None = None) -> None:
+        """Raise ``ArtifactError`` unless ``max |R^T R - I| <= atol`` for every rotation (default
+        :func:`orthogonality_tolerance` of the head dim)."""
+        atol = orthogonality_tolerance(self.model.head_dim) if atol is None else atol
+        eye = torch.eye(self.model.head_dim, dtype=torch.float64)
+        for name in ("r_k", "r_v"):
+            r = getattr(self, name).to(torch.float64)
+            errs = (r.transpose(-1, -2) @ r - eye).abs().amax(dim=(-2, -1))  # per layer (and head)
+            err = float(errs.max())
+            if not err <= atol:
+                layer = int(errs.reshape(errs.shape[0], -1).amax(1).argmax())
+                raise ArtifactError(f"{name} is not orthogonal: max |R^T R - I| = {err:.3g} (layer {layer}) exceeds "
+                                    f"{atol:.3g} = {ORTHOGONALITY_TOL_PER_DIM:g} x head_dim")
+
+    def validate(self) -> None:
+        """The value checks of :meth:`load` and :meth:`save` beyond shapes and finiteness (``validate_shapes``):
+        clip ratios in [0, 1] (0 and 1 both mean no clipping), orthogonal rotations, a recent window that is a
+        whole number of pages. Raises ``ArtifactError``."""
+        for name in ("k_clip", "v_clip"):
+            t = getattr(self, name)
+            bad = ((t < 0) | (t > 1)).nonzero().flatten()
+            if len(bad):
+                i = int(bad[0])
+                raise ArtifactError(f"{name}[{i}] = {float(t[i]):g} is not a clip ratio in [0, 1]")
+        self.check_orthogonal()
+        s = self.spec
+        if s.window % s.page_size:
+            raise ArtifactError(f"the spec's window ({s.window} tokens) is not a multiple of its page_size "
+                                f"({s.page_size}): the quantized tier moves whole pages")
 
     # ------------------------------------------------------------------------------------------ access
     def layer(self, i: int) -> dict[str, Tensor]:
@@ -244,12 +284,17 @@ class Calibration:
 
     # --------------------------------------------------------------------------------------------- I/O
     def save(self, path: str | Path) -> Path:
+        """Write ``rotations.safetensors`` and ``oscar.json`` (with the tensor file's sha256 and size) into the
+        folder ``path``, each through a temporary file renamed into place. Refuses a calibration that
+        :meth:`validate` rejects."""
         from safetensors.torch import save_file
 
+        self.validate()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {n: getattr(self, n).detach().to(torch.float32).contiguous().cpu() for n in TENSOR_NAMES}
-        save_file(tensors, str(path / "rotations.safetensors"), metadata={"format_version": str(FORMAT_VERSION)})
+        tmp = path / (TENSOR_FILE + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION)})
         meta = {
             "format": "oscarkv-calibration",
             "format_version": FORMAT_VERSION,
@@ -257,49 +302,53 @@ class Calibration:
             "model": asdict(self.model),
             "provenance": self.provenance,
             "layer_formats": self.layer_formats,
+            "files": {TENSOR_FILE: {"sha256": _sha256(tmp), "bytes": tmp.stat().st_size}},
         }
         if self.layer_formats is not None:
             meta["layer_formats_version"] = LAYER_FORMATS_VERSION
-        (path / "oscar.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        meta_tmp = path / (META_FILE + ".tmp")
+        meta_tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        os.replace(tmp, path / TENSOR_FILE)
+        os.replace(meta_tmp, path / META_FILE)
         return path
 
     @classmethod
-    def load(cls, path: str | Path, model: Any = None) -> "Calibration":
+    def load(cls, path: str | Path, model: Any = None) -> Calibration:
         """Load an artifact folder; with ``model`` (a transformers model, config or :class:`ModelIdentity`)
-        also check that it belongs to that model."""
-        from safetensors.torch import load_file
+        also check that it belongs to that model.
 
+        Checks, each failing with one ``ArtifactError`` line: the folder and both files exist; ``oscar.json``
+        parses, has no unknown keys and a known format version; the tensor file has the size and sha256
+        recorded in ``oscar.json`` (an artifact saved before that record existed loads with a warning saying
+        how to add it); the tensor file parses, holds exactly the expected float32 tensors of the shapes the spec
+        and model identity imply, all finite; :meth:`validate` (clips, orthogonality, window)."""
         path = Path(path)
-        meta_path, tensor_path = path / "oscar.json", path / "rotations.safetensors"
+        meta_path, tensor_path = path / META_FILE, path / TENSOR_FILE
         if not path.is_dir():
             raise ArtifactError(f"{path} is not a calibration folder (run `oscarkv calibrate --out {path}` first)")
         for p in (meta_path, tensor_path):
             if not p.exists():
                 raise ArtifactError(f"{path} is missing {p.name}; it is not a complete oscarkv calibration")
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != "oscarkv-calibration":
-            raise ArtifactError(f"{meta_path} is not an oscarkv calibration (format={meta.get('format')!r})")
-        version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ArtifactError(
-                f"{path} has format version {version!r}; this oscarkv reads version {FORMAT_VERSION}. "
-                "Re-run `oscarkv calibrate` with this version."
-            )
-        lf_version = meta.get("layer_formats_version", LAYER_FORMATS_VERSION)
-        if meta.get("layer_formats") is not None and lf_version != LAYER_FORMATS_VERSION:
-            raise ArtifactError(f"{path} has layer_formats version {lf_version!r}; this oscarkv reads version "
-                                f"{LAYER_FORMATS_VERSION}. Re-run `oscarkv calibrate --bit-budget ...`.")
-        tensors = load_file(str(tensor_path))
-        missing = [n for n in TENSOR_NAMES if n not in tensors]
-        if missing:
-            raise ArtifactError(f"{tensor_path} lacks tensors {missing}")
-        calib = cls(
-            spec=QuantSpec.from_dict(meta["spec"]),
-            model=ModelIdentity(**meta["model"]),
-            provenance=meta.get("provenance", {}),
-            layer_formats=meta.get("layer_formats"),
-            **{n: tensors[n] for n in TENSOR_NAMES},
-        )
+        meta = _read_meta(meta_path)
+        _verify_files(path, meta)
+        tensors = _read_tensors(tensor_path)
+        where = f"{meta_path}:"
+        try:
+            spec = QuantSpec.from_dict(meta["spec"])
+        except (ConfigError, TypeError, ValueError) as e:
+            raise ArtifactError(f"{where} spec: {e}") from None
+        provenance = meta.get("provenance", {})
+        if not isinstance(provenance, dict):
+            raise ArtifactError(f"{where} provenance must be a mapping, got {type(provenance).__name__}")
+        layer_formats = meta.get("layer_formats")
+        if layer_formats is not None and not isinstance(layer_formats, list):
+            raise ArtifactError(f"{where} layer_formats must be a list or null, got {type(layer_formats).__name__}")
+        try:
+            calib = cls(spec=spec, model=_identity(meta["model"], where), provenance=provenance,
+                        layer_formats=layer_formats, **tensors)
+            calib.validate()
+        except ArtifactError as e:
+            raise ArtifactError(f"{path}: {e}") from None
         if model is not None:
             calib.check_model(model)
         return calib
@@ -317,7 +366,7 @@ class Calibration:
 
     # ------------------------------------------------------------------------------------ constructors
     @classmethod
-    def identity(cls, model: ModelIdentity, spec: QuantSpec | None = None, clip: float = 0.0) -> "Calibration":
+    def identity(cls, model: ModelIdentity, spec: QuantSpec | None = None, clip: float = 0.0) -> Calibration:
         """Identity rotations, zero means, fixed clip: for tests and for data-free baselines."""
         spec = spec or QuantSpec(k_clip=clip, v_clip=clip, centering=False, composition="none")
         L, H, d = model.num_layers, model.num_kv_heads, model.head_dim
@@ -333,7 +382,7 @@ class Calibration:
     @classmethod
     def from_rotation_zoo(
         cls, k_path: str | Path, v_path: str | Path, model: Any, spec: QuantSpec | None = None
-    ) -> "Calibration":
+    ) -> Calibration:
         """Import reference RotationZoo ``.pt`` files (``{"layers": {i: {"rotation", "eigenvalues"}}}``) for
         keys and values. Loaded with ``weights_only=True``; means are zero (the reference does not center)."""
         ident = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
@@ -361,5 +410,126 @@ class Calibration:
         )
 
 
-__all__ = ["Calibration", "ModelIdentity", "ArtifactError", "UnsupportedModelError", "FORMAT_VERSION", "TensorFormat",
-           "parse_layer_format", "LAYER_FORMATS_VERSION"]
+
+def orthogonality_tolerance(head_dim: int) -> float:
+    """Largest ``max |R^T R - I|`` accepted for a stored rotation: ``ORTHOGONALITY_TOL_PER_DIM * head_dim``. The
+    rotations are built in float64 and stored in float32 (measured ``~4e-8`` at ``d = 64``); float32 rounding
+    of ``R^T R`` grows with ``d``; the bound is far above both and far below any real damage (``O(1)``)."""
+    return ORTHOGONALITY_TOL_PER_DIM * head_dim
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_meta(meta_path: Path) -> dict:
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{meta_path} is not UTF-8 text ({e.reason} at byte {e.start}); the file is damaged, "
+                            "restore it or re-run `oscarkv calibrate`") from None
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{meta_path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); the "
+                            "file is damaged, restore it or re-run `oscarkv calibrate`") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{meta_path} must hold a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != "oscarkv-calibration":
+        raise ArtifactError(f"{meta_path} is not an oscarkv calibration (format={meta.get('format')!r})")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{meta_path} has format version {version!r}; this oscarkv reads version "
+                            f"{FORMAT_VERSION}. Re-run `oscarkv calibrate` with this version.")
+    unknown = sorted(set(meta) - set(META_KEYS))
+    if unknown:
+        raise ArtifactError(f"{meta_path} has unknown key(s) {unknown}; valid: {sorted(META_KEYS)}")
+    for key in ("spec", "model"):
+        if key not in meta:
+            raise ArtifactError(f"{meta_path} lacks the {key!r} entry")
+    lf_version = meta.get("layer_formats_version", LAYER_FORMATS_VERSION)
+    if meta.get("layer_formats") is not None and lf_version != LAYER_FORMATS_VERSION:
+        raise ArtifactError(f"{meta_path} has layer_formats version {lf_version!r}; this oscarkv reads version "
+                            f"{LAYER_FORMATS_VERSION}. Re-run `oscarkv calibrate --bit-budget ...`.")
+    return meta
+
+
+def _verify_files(path: Path, meta: dict) -> None:
+    """Compare the tensor file with the size and sha256 recorded at save time."""
+    files = meta.get("files")
+    if files is None:
+        log.warning("%s was saved without a sha256 record of %s, so its integrity cannot be checked (the values "
+                    "are still checked); add one with: python -c \"from oscarkv.artifact import Calibration as C; "
+                    "C.load('%s').save('%s')\"", path, TENSOR_FILE, path, path)
+        return
+    record = files.get(TENSOR_FILE) if isinstance(files, dict) else None
+    if (not isinstance(files, dict) or set(files) != {TENSOR_FILE} or not isinstance(record, dict)
+            or set(record) != {"sha256", "bytes"} or not isinstance(record["sha256"], str)
+            or type(record["bytes"]) is not int):
+        raise ArtifactError(f"{path / META_FILE}: 'files' must be {{{TENSOR_FILE!r}: {{'sha256': hex, 'bytes': "
+                            f"int}}}}, got {files!r}")
+    tensor_path = path / TENSOR_FILE
+    size = tensor_path.stat().st_size
+    if size != record["bytes"]:
+        raise ArtifactError(f"{tensor_path} has {size} bytes but {META_FILE} records {record['bytes']}: the file is "
+                            "truncated or was changed after saving; restore it or re-run `oscarkv calibrate`")
+    digest = _sha256(tensor_path)
+    if digest != record["sha256"].lower():
+        raise ArtifactError(f"{tensor_path} does not match the sha256 recorded in {META_FILE} ({digest[:12]}... "
+                            f"vs {record['sha256'][:12]}...): the file is damaged or was changed after saving; "
+                            "restore it or re-run `oscarkv calibrate`")
+
+
+def _read_tensors(tensor_path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(tensor_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for every malformation
+        msg = " ".join(str(e).split())[:200]
+        raise ArtifactError(f"{tensor_path} cannot be read as safetensors ({msg}); the file is damaged, restore it "
+                            "or re-run `oscarkv calibrate`") from None
+    missing = [n for n in TENSOR_NAMES if n not in tensors]
+    if missing:
+        raise ArtifactError(f"{tensor_path} lacks tensors {missing}")
+    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+    if unknown:
+        raise ArtifactError(f"{tensor_path} has unknown tensors {unknown}; valid: {list(TENSOR_NAMES)}")
+    for name, t in tensors.items():
+        if t.dtype != torch.float32:
+            raise ArtifactError(f"{tensor_path}: tensor {name} is {t.dtype}; artifacts store float32")
+    return tensors
+
+
+def _identity(data: Any, where: str) -> ModelIdentity:
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{where} model must be a mapping, got {type(data).__name__}")
+    fields = [f.name for f in dataclasses.fields(ModelIdentity)]
+    required = ("architecture", *_IDENTITY_INTS)
+    unknown, missing = sorted(set(data) - set(fields)), [f for f in required if f not in data]
+    if unknown or missing:
+        raise ArtifactError(f"{where} model has unknown key(s) {unknown} / lacks {missing}; valid: {fields}")
+    for key in _IDENTITY_INTS:
+        if type(data[key]) is not int or data[key] < 1:
+            raise ArtifactError(f"{where} model.{key} must be an int >= 1, got {data[key]!r}")
+    if not isinstance(data["architecture"], str) or not isinstance(data.get("name", ""), str):
+        raise ArtifactError(f"{where} model.architecture and model.name must be strings")
+    try:
+        return ModelIdentity(**data)
+    except (TypeError, ValueError) as e:  # the identity's own checks (ArtifactError is a ValueError)
+        raise ArtifactError(f"{where} model: {e}") from None
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LAYER_FORMATS_VERSION",
+    "ArtifactError",
+    "Calibration",
+    "ModelIdentity",
+    "TensorFormat",
+    "UnsupportedModelError",
+    "orthogonality_tolerance",
+    "parse_layer_format",
+]

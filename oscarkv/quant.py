@@ -15,8 +15,9 @@ Also here: the KIVI per-channel key quantizer and the optional Lloyd-Max (non-un
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -63,8 +64,22 @@ def resolve_meta_dtype(meta_dtype: torch.dtype | str) -> torch.dtype:
     return meta_dtype
 
 
+def check_clip_ratio(ratio: float) -> float:
+    """``ratio`` as a float in [0, 1] (0 and 1 both mean no clipping); ``TypeError`` for a non-number,
+    ``ValueError`` for a number outside the interval (NaN included)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (numbers.Real, Tensor)):
+        raise TypeError(f"clip_ratio must be a number in [0, 1] (0 or 1: no clipping), got {ratio!r}")
+    r = float(ratio)
+    if not 0.0 <= r <= 1.0:  # NaN fails the comparison too
+        what = "NaN" if math.isnan(r) else repr(ratio)
+        raise ValueError(f"clip_ratio must be a number in [0, 1] (0 or 1: no clipping), got {what}")
+    return r
+
+
 def clip_index(ratio: float, dim: int) -> int | None:
-    """0-based order statistic used as the clip threshold, or None where ``ratio`` disables clipping."""
+    """0-based order statistic used as the clip threshold, or None where ``ratio`` disables clipping. Raises
+    ``ValueError`` for a ratio outside [0, 1] (:func:`check_clip_ratio`)."""
+    ratio = check_clip_ratio(ratio)
     if ratio <= 0.0 or ratio >= 1.0:
         return None
     return min(math.floor(ratio * dim), dim - 1)
@@ -242,16 +257,17 @@ def dequantize_per_channel(q: QuantizedRows, dtype: torch.dtype = torch.float32)
 
 __all__ = [
     "QuantizedRows",
-    "quantize",
+    "check_clip_ratio",
+    "clip_index",
+    "clip_rows",
+    "clip_rows_grid",
     "dequantize",
+    "dequantize_per_channel",
     "fake_quantize",
     "pack",
-    "unpack",
-    "clip_rows",
-    "clip_index",
-    "clip_rows_grid",
+    "quantize",
     "quantize_lloyd_max",
     "quantize_per_channel",
-    "dequantize_per_channel",
     "resolve_meta_dtype",
+    "unpack",
 ]

@@ -31,7 +31,7 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
     threads = torch.get_num_threads()
     out = tmp_path / "calib"
     spec = tmp_path / "spec.yaml"
-    spec.write_text("sink: 4\nwindow: 8\nclip_grid: [1.0, 0.9, 0.8]\n")
+    spec.write_text("sink: 4\nwindow: 8\npage_size: 4\nclip_grid: [1.0, 0.9, 0.8]\n")
     rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
                "256", "--seq-len", "64", "--out", str(out), "--config", str(spec), "--granularity", "head", "--quiet",
                "--threads", "1"])
@@ -56,7 +56,8 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
 
 def test_inspect_rejects_a_non_artifact(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
-    assert "missing oscar.json" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "missing oscar.json" in err and err.count("\n") == 1
 
 
 def test_calibrate_reports_missing_model_package(monkeypatch, capsys):

@@ -96,6 +96,18 @@ def test_clip_order_statistic():
     assert torch.equal(clip_rows(x, 1.0), x)
 
 
+@pytest.mark.parametrize("ratio, shown, error", [
+    (1.5, "1.5", ValueError), (-0.5, "-0.5", ValueError), (math.nan, "NaN", ValueError), (math.inf, "inf", ValueError),
+    ("0.9", "'0.9'", TypeError), (True, "True", TypeError), (None, "None", TypeError)])
+def test_clip_ratio_outside_the_unit_interval_is_refused(ratio, shown, error):
+    x = torch.randn(4, 64)
+    for fn in (lambda: quantize(x, clip_ratio=ratio), lambda: quantize_lloyd_max(x, clip_ratio=ratio),
+               lambda: clip_rows(x, ratio), lambda: clip_index(ratio, 64)):
+        with pytest.raises(error, match=r"clip_ratio must be a number in \[0, 1\] \(0 or 1: no clipping\), got "
+                                             + shown.replace(".", r"\.")):
+            fn()
+
+
 def test_zero_range_rows_no_nan():
     x = torch.zeros(3, 64)
     x[1] = 5.0

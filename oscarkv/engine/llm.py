@@ -237,6 +237,11 @@ class LLM:
         self.metrics.inc("prompt_tokens_total", len(seq.prompt))
         return seq
 
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a queued or running request (``finish_reason`` "abort", its pages and slot freed); False if it
+        is not (or no longer) in the engine."""
+        return self.engine.abort(seq_id)
+
     def step(self) -> list[Sequence]:
         done = self.engine.step()
         for seq in done:

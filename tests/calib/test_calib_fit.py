@@ -125,7 +125,7 @@ def test_calibrate_on_text_records_provenance(tmp_path):
 
 def test_artifact_round_trip_and_mismatch_errors(tmp_path):
     model = tiny_model("qwen2")
-    calib = calibrate(model, None, _chunks(), spec=QuantSpec(sink=2, window=4), tokens=128, progress=False)
+    calib = calibrate(model, None, _chunks(), spec=QuantSpec(sink=2, window=4, page_size=4), tokens=128, progress=False)
     calib.save(tmp_path / "c")
     back = Calibration.load(tmp_path / "c", model=model)
     for name in ("r_k", "r_v", "eig_k", "eig_v", "mu_k", "mu_v", "k_clip", "v_clip"):
