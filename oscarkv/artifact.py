@@ -39,13 +39,12 @@ import torch
 from torch import Tensor
 
 from .config import ConfigError, QuantSpec
+from .formats import FormatError, LayerFormat, TensorFormat
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LAYER_FORMATS_VERSION = 1  # schema of ``layer_formats`` entries (written next to them in oscar.json)
-FORMAT_LAYOUTS = ("token", "channel")
-FORMAT_ROTATIONS = ("calibrated", "hadamard", "none")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3_text")
 TENSOR_NAMES = ("r_k", "r_v", "eig_k", "eig_v", "mu_k", "mu_v", "k_clip", "v_clip")
 TENSOR_FILE, META_FILE = "rotations.safetensors", "oscar.json"
@@ -109,78 +108,13 @@ class ModelIdentity:
         return out
 
 
-@dataclass(frozen=True)
-class TensorFormat:
-    """How one layer stores its keys or its values in the quantized tier (``layer_formats`` entries).
-
-    Attributes:
-        layout: "token" (one quantized row per token and head: the method's format) or "channel" (keys only:
-            one scale and offset per channel per page of ``page_size`` tokens, the numerics of
-            :func:`oscarkv.quant.quantize_per_channel` with ``group_size = page_size``).
-        bits: 2 or 4.
-        rotation: "calibrated" (the calibration's R of this layer), "hadamard" or "none".
-        clip: per-row clip ratio of the token layout (0 = off; always 0 for "channel").
-    """
-
-    layout: str = "token"
-    bits: int = 2
-    rotation: str = "calibrated"
-    clip: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.layout not in FORMAT_LAYOUTS:
-            raise ArtifactError(f"unknown format layout {self.layout!r}; valid: {list(FORMAT_LAYOUTS)}")
-        if self.rotation not in FORMAT_ROTATIONS:
-            raise ArtifactError(f"unknown format rotation {self.rotation!r}; valid: {list(FORMAT_ROTATIONS)}")
-        if self.bits not in (2, 4) or isinstance(self.bits, bool):
-            raise ArtifactError(f"format bits must be 2 or 4, got {self.bits!r}")
-        clip = float(self.clip)
-        if not 0.0 <= clip <= 1.0:
-            raise ArtifactError(f"format clip must be a ratio in [0, 1], got {self.clip!r}")
-        if self.layout == "channel" and clip not in (0.0, 1.0):
-            raise ArtifactError(f"the channel layout has no per-row clip; got clip {self.clip!r}")
-        object.__setattr__(self, "clip", clip)
-
-    @property
-    def label(self) -> str:
-        """Short name, e.g. ``token2/calibrated@0.96`` or ``channel2/none``."""
-        clip = f"@{self.clip:g}" if 0.0 < self.clip < 1.0 else ""
-        return f"{self.layout}{self.bits}/{self.rotation}{clip}"
-
-    def bits_per_element(self, head_dim: int, page_size: int, group_size: int | None = None,
-                         meta_bits: int = 16) -> float:
-        """Nominal bits per element: codes plus a scale and offset per row group (token) or per channel and
-        page (channel)."""
-        per = page_size if self.layout == "channel" else (group_size or head_dim)
-        return self.bits + 2 * meta_bits / per
-
-    def to_dict(self) -> dict:
-        return {"layout": self.layout, "bits": self.bits, "rotation": self.rotation, "clip": self.clip}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> TensorFormat:
-        if isinstance(data, TensorFormat):
-            return data
-        if not isinstance(data, Mapping):
-            raise ArtifactError(f"a tensor format must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"layout", "bits", "rotation", "clip"})
-        if unknown:
-            raise ArtifactError(f"unknown tensor-format key(s) {unknown}; valid: layout, bits, rotation, clip")
-        return cls(**data)
-
-
-def parse_layer_format(entry: Any, layer: int) -> tuple[TensorFormat, TensorFormat]:
-    """``(key format, value format)`` of one ``layer_formats`` entry ``{"k": {...}, "v": {...}, ...}``
+def parse_layer_format(entry: Any, layer: int) -> LayerFormat:
+    """The :class:`~oscarkv.formats.LayerFormat` of one ``layer_formats`` entry ``{"k": {...}, "v": {...}, ...}``
     (other keys, e.g. the predicted errors, are informational). Raises ``ArtifactError`` naming the layer."""
-    if not isinstance(entry, Mapping) or "k" not in entry or "v" not in entry:
-        raise ArtifactError(f"layer_formats[{layer}] must be a mapping with 'k' and 'v' formats, got {entry!r}")
     try:
-        k, v = TensorFormat.from_dict(entry["k"]), TensorFormat.from_dict(entry["v"])
-    except ArtifactError as e:
+        return LayerFormat.from_entry(entry)
+    except FormatError as e:
         raise ArtifactError(f"layer_formats[{layer}]: {e}") from None
-    if v.layout != "token":
-        raise ArtifactError(f"layer_formats[{layer}]: values are stored token-wise only, got layout {v.layout!r}")
-    return k, v
 
 
 @dataclass
@@ -198,7 +132,7 @@ class Calibration:
     k_clip: Tensor
     v_clip: Tensor
     provenance: dict = field(default_factory=dict)
-    # Per-layer format choices where calibration selected them (see :class:`TensorFormat`,
+    # Per-layer format choices where calibration selected them (see :class:`~oscarkv.formats.LayerFormat`,
     # :func:`parse_layer_format`): ``[{"k": {...}, "v": {...}, "k_error": e, "v_error": e}, ...]``; else None.
     layer_formats: list[dict] | None = None
 
@@ -233,8 +167,8 @@ class Calibration:
             for i, entry in enumerate(self.layer_formats):
                 parse_layer_format(entry, i)
 
-    def formats(self, i: int) -> tuple[TensorFormat, TensorFormat] | None:
-        """Layer ``i``'s selected ``(key, value)`` formats, or ``None`` without ``layer_formats``."""
+    def formats(self, i: int) -> LayerFormat | None:
+        """Layer ``i``'s selected formats (``k, v = calib.formats(i)``), or ``None`` without ``layer_formats``."""
         return None if self.layer_formats is None else parse_layer_format(self.layer_formats[i], i)
 
     def check_orthogonal(self, atol: float | None = None) -> None:
@@ -527,6 +461,7 @@ __all__ = [
     "LAYER_FORMATS_VERSION",
     "ArtifactError",
     "Calibration",
+    "LayerFormat",
     "ModelIdentity",
     "TensorFormat",
     "UnsupportedModelError",

@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from .artifact import Calibration, TensorFormat
+from .artifact import Calibration
 from .config import DEFAULT_K_CLIP, DEFAULT_V_CLIP, ConfigError
+from .formats import LayerFormat, TensorFormat
 from .rotation import hadamard
 
 NOCENTER = "-nocenter"
@@ -62,7 +63,7 @@ class Method:
         clip: "calibrated" (per-layer ratios of the calibration), "fixed" (K 0.96 / V 0.92) or "none".
         windows: "calibrated" (spec sink / window, demotion by pages), "none" (every token quantized on write)
             or "kivi" (no sink, 128-token residual, demotion by groups of 32).
-        key_layout: "token" (one row per token and head) or "channel" (KIVI keys).
+        key_layout: "token" (one row per token and head) or "channel" (KIVI keys: channel pages of 32 tokens).
         centering: subtract the calibrated per-head means before quantizing.
         target: the calibration target the method requires, or ``None`` for any.
         description: one line for listings.
@@ -148,65 +149,61 @@ def get(name: str) -> Method:
 # ----------------------------------------------------------------------------------------------- recipes
 @dataclass(frozen=True)
 class LayerRecipe:
-    """Per-layer tensors (float32, CPU) of a method: rotations ``[Hkv, d, d]`` or ``None`` (identity), means
-    ``[Hkv, d]`` or ``None`` (no centering), clip ratios (0 = off), and the layer's code widths and key layout
-    (``None``: the :class:`Recipe`'s; use :meth:`Recipe.layer_format` to read them)."""
+    """One layer of a method: its :class:`~oscarkv.formats.LayerFormat` (``None``: the layer is not quantized)
+    and the tensors (float32, CPU) the format's rotations and the method's centering need: rotations
+    ``[Hkv, d, d]`` or ``None`` (identity), means ``[Hkv, d]`` or ``None`` (no centering)."""
 
     r_k: Tensor | None
     r_v: Tensor | None
     mu_k: Tensor | None
     mu_v: Tensor | None
-    k_clip: float
-    v_clip: float
-    k_bits: int | None = None
-    v_bits: int | None = None
-    key_layout: str | None = None
+    format: LayerFormat | None
+
+    @property
+    def k_clip(self) -> float:
+        return self.format.k.clip if self.format is not None else 0.0
+
+    @property
+    def v_clip(self) -> float:
+        return self.format.v.clip if self.format is not None else 0.0
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """Everything the cache needs to store a model's K/V under one method."""
+    """Everything the cache needs to store a model's K/V under one method: per-layer formats and tensors, the
+    tiers (16-bit sink and recent window, demotion ``unit``) and the page geometry shared by every layer."""
 
     method: Method
     quantized: bool
-    bits: int
     group_size: int | None
     meta_dtype: str
     sink: int
     window: int
-    unit: int  # demotion granularity in tokens (whole pages, KIVI groups, or 1 = quantize on write)
+    unit: int  # demotion granularity in tokens (whole pages, or 1 = quantize on write)
     page_size: int
-    key_layout: str
     layers: tuple[LayerRecipe, ...]
 
-    def layer_format(self, i: int) -> tuple[int, int, str]:
-        """``(k_bits, v_bits, key_layout)`` of layer ``i``. A "channel" key layout groups ``unit`` tokens per
-        channel (KIVI's 32-token groups, or one page for oscar-auto's channel pages)."""
-        lr = self.layers[i]
-        return (lr.k_bits if lr.k_bits is not None else self.bits, lr.v_bits if lr.v_bits is not None else self.bits,
-                lr.key_layout or self.key_layout)
+    @property
+    def formats(self) -> tuple[LayerFormat | None, ...]:
+        """Each layer's format (``None`` for a layer kept in 16-bit)."""
+        return tuple(lr.format for lr in self.layers)
 
     @property
-    def uniform(self) -> bool:
-        """True when every layer stores K and V in the recipe-level format (what single-format backends need)."""
-        return all(self.layer_format(i) == (self.bits, self.bits, self.key_layout) for i in range(len(self.layers)))
+    def quantized_layers(self) -> list[int]:
+        return [i for i, f in enumerate(self.formats) if f is not None]
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Nominal bits per element of the quantized tier, averaged over layers and K/V (16-bit tiers excluded;
-        16-bit scale and offset; the per-row group is ``group_size`` or the whole row)."""
-        if not self.quantized:
+        """Nominal bits per element of the quantized tier, averaged over the quantized layers and K/V (16-bit
+        tiers excluded; the per-row group is ``group_size`` or the whole row, channel pages one page)."""
+        fmts = [f for f in self.formats if f is not None]
+        if not fmts:
             return 16.0
         meta = 32 if self.meta_dtype == "float32" else 16
-        row = self.group_size or head_dim
-        total = 0.0
-        for i in range(len(self.layers)):
-            kb, vb, layout = self.layer_format(i)
-            total += kb + 2 * meta / (self.unit if layout == "channel" else row) + vb + 2 * meta / row
-        return total / (2 * len(self.layers))
+        return sum(f.bits_per_element(head_dim, self.page_size, self.group_size, meta) for f in fmts) / len(fmts)
 
 
 def resolve(method: str | Method, calibration: Calibration) -> Recipe:
-    """Turn a method name and a calibration into per-layer tensors and tier sizes.
+    """Turn a method name and a calibration into per-layer formats and tensors and tier sizes.
 
     Raises ``ConfigError`` for an unknown name or a calibration the method cannot use."""
     m = get(method) if isinstance(method, str) else method
@@ -225,23 +222,20 @@ def resolve(method: str | Method, calibration: Calibration) -> Recipe:
         warnings.warn(
             f"method {m.name!r} centers K/V but the calibration's means are all zero (identity calibration?): "
             "the result equals the -nocenter variant", stacklevel=2)
-    d = calibration.model.head_dim
-    layers = tuple(_auto_layer_recipe(m, calibration, i, d) if m.per_layer else _layer_recipe(m, calibration, i, d)
-                   for i in range(calibration.model.num_layers))
+    layers = tuple(_layer_recipe(m, calibration, i) for i in range(calibration.model.num_layers))
     oscar = m.bits is None
     sink, window, unit = _tiers(m, spec)
     return Recipe(
-        method=m, quantized=m.quantized, bits=spec.bits if oscar else m.bits,
-        group_size=spec.group_size if oscar else None, meta_dtype=spec.meta_dtype if oscar else "float16",
-        sink=sink, window=window, unit=unit, page_size=spec.page_size if oscar else 64,
-        key_layout=m.key_layout, layers=layers,
+        method=m, quantized=m.quantized, group_size=spec.group_size if oscar else None,
+        meta_dtype=spec.meta_dtype if oscar else "float16", sink=sink, window=window, unit=unit,
+        page_size=spec.page_size if oscar else (KIVI_GROUP if m.windows == "kivi" else 64), layers=layers,
     )
 
 
 def _tiers(m: Method, spec) -> tuple[int, int, int]:
     if not m.quantized or m.windows == "none":
         return 0, 0, 1
-    if m.windows == "kivi":
+    if m.windows == "kivi":  # KIVI's per-channel key groups are channel pages of KIVI_GROUP tokens
         return 0, KIVI_RESIDUAL, KIVI_GROUP
     return spec.sink, spec.window, spec.page_size
 
@@ -250,44 +244,41 @@ def _zero_means(c: Calibration) -> bool:
     return not (bool(c.mu_k.abs().sum() > 0) or bool(c.mu_v.abs().sum() > 0))
 
 
-def _layer_recipe(m: Method, c: Calibration, i: int, d: int) -> LayerRecipe:
-    t = c.layer(i)
-    H = c.model.num_kv_heads
+def layer_format(m: Method, c: Calibration, i: int) -> LayerFormat | None:
+    """Layer ``i``'s format under method ``m``: the calibration's selection for per-layer methods, else the
+    method's (code width, rotation, clip, key layout) with the calibration's clip ratios where it says so."""
     if not m.quantized:
-        return LayerRecipe(None, None, None, None, 0.0, 0.0)
-    if m.rotation == "calibrated":
-        r_k, r_v = t["r_k"].float().clone(), t["r_v"].float().clone()
-    elif m.rotation == "hadamard":
-        h = hadamard(d).expand(H, d, d).clone()
-        r_k, r_v = h, h.clone()
-    else:
-        r_k = r_v = None
+        return None
+    if m.per_layer:
+        return c.formats(i)
+    bits = c.spec.bits if m.bits is None else m.bits
     if m.clip == "calibrated":
-        k_clip, v_clip = t["k_clip"], t["v_clip"]
+        k_clip, v_clip = float(c.k_clip[i]), float(c.v_clip[i])
     elif m.clip == "fixed":
         k_clip, v_clip = DEFAULT_K_CLIP, DEFAULT_V_CLIP
     else:
         k_clip = v_clip = 0.0
-    mu_k = t["mu_k"].float().clone() if m.centering else None
-    mu_v = t["mu_v"].float().clone() if m.centering else None
-    return LayerRecipe(r_k, r_v, mu_k, mu_v, float(k_clip), float(v_clip))
+    channel = m.key_layout == "channel"
+    return LayerFormat(TensorFormat(m.key_layout, bits, m.rotation, 0.0 if channel else k_clip),
+                       TensorFormat("token", bits, m.rotation, v_clip))
 
 
-def _auto_layer_recipe(m: Method, c: Calibration, i: int, d: int) -> LayerRecipe:
-    """Layer ``i`` of oscar-auto: the rotation, clip, bits and key layout of the selected formats."""
+def _layer_recipe(m: Method, c: Calibration, i: int) -> LayerRecipe:
+    """Layer ``i`` of method ``m``: its format and the rotation and mean tensors that format needs."""
+    fmt = layer_format(m, c, i)
+    if fmt is None:
+        return LayerRecipe(None, None, None, None, None)
     t = c.layer(i)
-    fk, fv = c.formats(i)
-    H = c.model.num_kv_heads
+    d, H = c.model.head_dim, c.model.num_kv_heads
 
-    def rot(fmt: TensorFormat, calibrated: Tensor) -> Tensor | None:
-        if fmt.rotation == "calibrated":
+    def rot(f: TensorFormat, calibrated: Tensor) -> Tensor | None:
+        if f.rotation == "calibrated":
             return calibrated.float().clone()
-        return hadamard(d).expand(H, d, d).clone() if fmt.rotation == "hadamard" else None
+        return hadamard(d).expand(H, d, d).clone() if f.rotation == "hadamard" else None
 
     mu_k = t["mu_k"].float().clone() if m.centering else None
     mu_v = t["mu_v"].float().clone() if m.centering else None
-    return LayerRecipe(rot(fk, t["r_k"]), rot(fv, t["r_v"]), mu_k, mu_v, fk.clip, fv.clip,
-                       k_bits=fk.bits, v_bits=fv.bits, key_layout=fk.layout)
+    return LayerRecipe(rot(fmt.k, t["r_k"]), rot(fmt.v, t["r_v"]), mu_k, mu_v, fmt)
 
 
 def nominal_bits(method: str | Method, config_or_head_dim, calibration: Calibration | None = None) -> float:
@@ -302,4 +293,15 @@ def nominal_bits(method: str | Method, config_or_head_dim, calibration: Calibrat
     return m.bits_per_element(d, calibration.spec if calibration is not None else None)
 
 
-__all__ = ["Method", "METHODS", "Recipe", "LayerRecipe", "get", "names", "resolve", "KIVI_GROUP", "nominal_bits"]
+__all__ = [
+    "KIVI_GROUP",
+    "METHODS",
+    "LayerRecipe",
+    "Method",
+    "Recipe",
+    "get",
+    "layer_format",
+    "names",
+    "nominal_bits",
+    "resolve",
+]

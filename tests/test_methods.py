@@ -6,6 +6,7 @@ import torch
 from oscarkv import methods
 from oscarkv.artifact import Calibration, ModelIdentity
 from oscarkv.config import ConfigError, QuantSpec
+from oscarkv.formats import LayerFormat, TensorFormat
 from oscarkv.rotation import hadamard
 
 IDENT = ModelIdentity("llama", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256)
@@ -41,8 +42,10 @@ def test_nominal_bits(name, d, bits):
 def test_resolve_oscar_uses_calibration():
     c = _calib(sink=16, window=32, page_size=16, group_size=32)
     r = methods.resolve("oscar", c)
-    assert (r.sink, r.window, r.unit, r.page_size, r.group_size, r.bits) == (16, 32, 16, 16, 32, 2)
+    assert (r.sink, r.window, r.unit, r.page_size, r.group_size) == (16, 32, 16, 16, 32)
     lr = r.layers[1]
+    k_clip, v_clip = float(c.k_clip[1]), float(c.v_clip[1])  # the artifact's float32 ratios, unrounded
+    assert lr.format == LayerFormat(TensorFormat("token", 2, "calibrated", k_clip), TensorFormat("token", 2, "calibrated", v_clip))
     assert torch.equal(lr.r_k[0], hadamard(64)) and torch.equal(lr.mu_v, c.mu_v[1])
     assert (lr.k_clip, lr.v_clip) == (pytest.approx(0.93), pytest.approx(0.91))
     assert methods.resolve("oscar-nocenter", c).layers[0].mu_k is None
@@ -56,15 +59,17 @@ def test_resolve_baselines():
     quarot = methods.resolve("quarot-int2-nocenter", c)
     assert torch.equal(quarot.layers[0].r_v[1], hadamard(64)) and quarot.layers[0].mu_v is None
     kivi = methods.resolve("kivi-2", c)
-    assert (kivi.sink, kivi.window, kivi.unit, kivi.key_layout) == (0, 128, 32, "channel")
+    assert (kivi.sink, kivi.window, kivi.unit, kivi.page_size) == (0, 128, 32, 32)  # KIVI groups = channel pages
+    assert kivi.formats[0] == LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 2, "none"))
     int4 = methods.resolve("int4-hadamard", c)
-    assert (int4.bits, int4.sink, int4.window) == (4, 0, 0)
+    assert (int4.formats[1].v.bits, int4.sink, int4.window) == (4, 0, 0)
     had = methods.resolve("oscar-hadamard", c)
     assert (had.layers[0].k_clip, had.layers[0].v_clip) == (0.96, 0.92) and had.window == c.spec.window
     nowin = methods.resolve("oscar-nowindow", c)
     assert (nowin.sink, nowin.window, nowin.unit) == (0, 0, 1) and nowin.layers[0].k_clip == pytest.approx(0.93)
     bf16 = methods.resolve("bf16", c)
     assert not bf16.quantized and bf16.layers[0].r_v is None and bf16.layers[0].mu_v is None
+    assert bf16.formats == (None, None) and bf16.quantized_layers == [] and bf16.bits_per_element(64) == 16.0
 
 
 def test_gram_method_needs_gram_calibration():
@@ -96,10 +101,10 @@ def test_per_layer_formats_ignored_by_oscar_required_by_auto():
                        {"k": {"layout": "token", "bits": 2, "rotation": "calibrated", "clip": 0.93},
                         "v": {"layout": "token", "bits": 2, "rotation": "none"}}]
     again = methods.resolve("oscar", c)  # plain oscar ignores layer_formats
-    assert again.uniform and all(torch.equal(a.r_k, b.r_k) for a, b in zip(plain.layers, again.layers))
+    assert again.formats == plain.formats and all(torch.equal(a.r_k, b.r_k) for a, b in zip(plain.layers, again.layers))
     auto = methods.resolve("oscar-auto", c)
-    assert not auto.uniform
-    assert auto.layer_format(0) == (2, 4, "channel") and auto.layer_format(1) == (2, 2, "token")
+    assert auto.formats == (c.formats(0), c.formats(1))  # carried unchanged from the artifact
+    assert [(f.k.bits, f.v.bits, f.k.layout) for f in auto.formats] == [(2, 4, "channel"), (2, 2, "token")]
     l0, l1 = auto.layers
     assert l0.r_k is None and torch.equal(l0.r_v[0], hadamard(64)) and l0.v_clip == 0.9
     assert torch.equal(l1.r_k, c.layer(1)["r_k"]) and l1.r_v is None and l1.k_clip == 0.93

@@ -2,10 +2,17 @@
 three-tier store and the chunked attention over it. Used by :mod:`oscarkv.hf` (and open to the engine)."""
 
 from .attention import OnlineSoftmax, chunk_attention
-from .pools import ChannelPool, TokenPool
+from .build import build_store
+from .pools import TokenPool
 from .store import Bytes, LayerStore
 from .tiers import TierPolicy
-from .build import build_store
 
-__all__ = ["TierPolicy", "TokenPool", "ChannelPool", "LayerStore", "Bytes", "chunk_attention", "OnlineSoftmax",
-           "build_store"]
+__all__ = [
+           "Bytes",
+           "LayerStore",
+           "OnlineSoftmax",
+           "TierPolicy",
+           "TokenPool",
+           "build_store",
+           "chunk_attention",
+]

@@ -5,7 +5,7 @@ of :func:`oscarkv.kernels.reference.extend_attention_ref` plus a mask on the chu
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import LayerFormat
 from ..kernels.layout import PageFormat
 from ..methods import Recipe
-from ..quant import resolve_meta_dtype
-from .pools import ChannelPool, TokenPool
+from .pools import TokenPool
 from .store import LayerStore
 from .tiers import TierPolicy
 
@@ -23,30 +23,25 @@ def policy_for(recipe: Recipe) -> TierPolicy:
 
 def build_store(recipe: Recipe, layer: int, batch_size: int, num_kv_heads: int, head_dim: int,
                 dtype16: torch.dtype, device: torch.device | str) -> LayerStore:
-    """An empty :class:`LayerStore` for layer ``layer`` of ``recipe``, in that layer's formats
-    (:meth:`~oscarkv.methods.Recipe.layer_format`): token pages for values and, by the key layout, token pages,
-    channel pages (``PageFormat(layout="channel")``: one scale/offset per channel per page, oscar-auto) or KIVI's
-    per-channel groups of ``recipe.unit`` = 32 tokens (:class:`ChannelPool`)."""
+    """An empty :class:`LayerStore` for layer ``layer`` of ``recipe``, in that layer's
+    :class:`~oscarkv.formats.LayerFormat`: token pages for values and token or channel pages for keys."""
     policy = policy_for(recipe)
     k_pool = v_pool = None
-    if recipe.quantized:
-        lr = recipe.layers[layer]
-        k_bits, v_bits, key_layout = recipe.layer_format(layer)
-
-        def fmt(bits: int, layout: str = "token") -> PageFormat:
-            return PageFormat(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=recipe.page_size, bits=bits,
-                              group_size=None if layout == "channel" else recipe.group_size,
-                              meta_dtype=recipe.meta_dtype, layout=layout)
-
-        v_pool = TokenPool(fmt(v_bits), lr.v_clip, batch_size, device)
-        if key_layout == "channel" and recipe.unit == recipe.page_size:  # channel pages (oscar-auto)
-            k_pool = TokenPool(fmt(k_bits, "channel"), 0.0, batch_size, device)
-        elif key_layout == "channel":  # KIVI: groups of recipe.unit tokens
-            k_pool = ChannelPool(num_kv_heads, head_dim, recipe.unit, k_bits, resolve_meta_dtype(recipe.meta_dtype),
-                                 batch_size, device)
-        else:
-            k_pool = TokenPool(fmt(k_bits), lr.k_clip, batch_size, device)
+    fmt = recipe.layers[layer].format
+    if recipe.quantized and fmt is not None:
+        kf, vf = page_formats(fmt, num_kv_heads, head_dim, recipe.page_size, recipe.group_size, recipe.meta_dtype)
+        k_pool = TokenPool(kf, fmt.k.clip, batch_size, device)
+        v_pool = TokenPool(vf, fmt.v.clip, batch_size, device)
     return LayerStore(policy, batch_size, num_kv_heads, head_dim, dtype16, device, k_pool, v_pool)
 
 
-__all__ = ["build_store", "policy_for", "NO_QUANTIZATION"]
+def page_formats(fmt: LayerFormat, num_kv_heads: int, head_dim: int, page_size: int, group_size: int | None,
+                 meta_dtype: str | torch.dtype) -> tuple[PageFormat, PageFormat]:
+    """The kernels' page geometry of a layer's K and V pools: ``fmt`` plus the store's geometry (channel pages
+    have one scale/offset per channel per page, so no row groups)."""
+    return tuple(PageFormat(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, bits=f.bits,
+                            group_size=None if f.channel else group_size, meta_dtype=meta_dtype, layout=f.layout)
+                 for f in fmt)
+
+
+__all__ = ["NO_QUANTIZATION", "build_store", "page_formats", "policy_for"]

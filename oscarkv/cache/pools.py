@@ -2,7 +2,6 @@
 
 * :class:`TokenPool`: the paged layout of :mod:`oscarkv.kernels.layout` (``QuantPages`` + block table + qlen),
   one quantized row per token and KV head (OSCAR and every per-token baseline).
-* :class:`ChannelPool`: KIVI keys, one quantized row per channel over a group of 32 tokens.
 
 Both append rows in order (``write``), read any token range back dequantized (``read``), and count their bytes:
 ``used_bytes`` for tokens held, ``allocated_bytes`` for every tensor they own (unused capacity included).
@@ -17,7 +16,7 @@ from torch import Tensor
 
 from ..kernels.layout import PageFormat, QuantPages, slot_mapping
 from ..kernels.reference import dequantize_pages_ref, quantize_write_ref
-from ..quant import QuantizedRows, dequantize, dequantize_per_channel, quantize, quantize_per_channel
+from ..quant import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 
 def _tensor_bytes(*ts: Tensor) -> int:
@@ -115,80 +114,4 @@ class TokenPool:
         return self.pages.nbytes() + _tensor_bytes(self.block_table, self.qlen)
 
 
-class ChannelPool:
-    """KIVI keys: each group of ``group`` consecutive tokens is quantized per channel (one scale and offset per
-    channel and group, quantizer of :func:`oscarkv.quant.quantize_per_channel`). Rows are appended whole groups
-    at a time. Storage: codes uint8 ``[G_alloc, Hkv, d, group * bits / 8]``, scale/offset ``[G_alloc, Hkv, d, 1]``.
-    """
-
-    def __init__(self, num_kv_heads: int, head_dim: int, group: int, bits: int, meta_dtype: torch.dtype,
-                 batch_size: int, device: torch.device | str):
-        if group % (8 // bits):
-            raise ValueError(f"group {group} must be a multiple of {8 // bits} for {bits}-bit packing")
-        self.H, self.d, self.group, self.bits, self.meta_dtype = num_kv_heads, head_dim, group, bits, meta_dtype
-        self.codes = torch.zeros(0, num_kv_heads, head_dim, group * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(0, num_kv_heads, head_dim, 1, dtype=meta_dtype, device=device)
-        self.offset = torch.zeros_like(self.scale)
-        self._owned: list[list[int]] = [[] for _ in range(batch_size)]
-        self._used = 0
-
-    def _quantize(self, rows: Tensor) -> QuantizedRows:
-        return quantize_per_channel(rows.float(), bits=self.bits, group_size=self.group, meta_dtype=self.meta_dtype)
-
-    def write(self, b: int, rows: Tensor) -> None:
-        """Quantize and append ``rows`` ``[Hkv, D, d]``, ``D`` a multiple of the group, to sequence ``b``."""
-        D = rows.shape[1]
-        if D % self.group:
-            raise ValueError(f"KIVI keys are written in whole groups of {self.group} tokens, got {D}")
-        for g0 in range(0, D, self.group):
-            if self._used == self.codes.shape[0]:
-                self._grow(max(4, 2 * self._used))
-            q = self._quantize(rows[:, g0: g0 + self.group])
-            i = self._used
-            self.codes[i], self.scale[i], self.offset[i] = q.packed, q.scale, q.offset
-            self._owned[b].append(i)
-            self._used += 1
-
-    def _grow(self, n: int) -> None:
-        def more(t: Tensor) -> Tensor:
-            return torch.cat([t, torch.zeros(n - t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)])
-
-        self.codes, self.scale, self.offset = more(self.codes), more(self.scale), more(self.offset)
-
-    def read(self, b: int, start: int, end: int) -> Tensor:
-        """Dequantized keys ``[Hkv, end - start, d]`` (float32) of tokens ``[start, end)`` of sequence ``b``."""
-        n = len(self._owned[b]) * self.group
-        if not 0 <= start <= end <= n:
-            raise IndexError(f"token range [{start}, {end}) outside the {n} quantized tokens of seq {b}")
-        if start == end:
-            return torch.zeros(self.H, 0, self.d, device=self.codes.device)
-        g0, g1 = start // self.group, math.ceil(end / self.group)
-        ids = torch.tensor(self._owned[b][g0:g1], dtype=torch.long, device=self.codes.device)
-        q = QuantizedRows(packed=self.codes[ids], scale=self.scale[ids], offset=self.offset[ids], bits=self.bits,
-                          group_size=self.group, dim=self.group)
-        x = dequantize_per_channel(q)  # [g, Hkv, group, d]
-        x = x.permute(1, 0, 2, 3).reshape(self.H, -1, self.d)
-        off = start - g0 * self.group
-        return x[:, off: off + end - start]
-
-    def roundtrip(self, rows: Tensor) -> Tensor:
-        """What writing ``rows`` ``[Hkv, D, d]`` (whole groups) then reading them back gives."""
-        D = rows.shape[1]
-        if D % self.group:
-            raise ValueError(f"KIVI keys are written in whole groups of {self.group} tokens, got {D}")
-        out = [dequantize_per_channel(self._quantize(rows[:, g0: g0 + self.group])) for g0 in range(0, D, self.group)]
-        return torch.cat(out, 1) if out else rows.float()[:, :0]
-
-    def tokens(self, b: int | None = None) -> int:
-        owned = self._owned if b is None else [self._owned[b]]
-        return sum(len(o) for o in owned) * self.group
-
-    def used_bytes(self) -> int:
-        per_group = self.H * self.d * (self.group * self.bits // 8 + 2 * self.scale.element_size())
-        return self._used * per_group
-
-    def allocated_bytes(self) -> int:
-        return _tensor_bytes(self.codes, self.scale, self.offset)
-
-
-__all__ = ["TokenPool", "ChannelPool"]
+__all__ = ["TokenPool"]

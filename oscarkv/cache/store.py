@@ -2,20 +2,20 @@
 
 16-bit tiers follow :mod:`oscarkv.kernels.layout`: ``k16``/``v16`` ``[B, Hkv, C16, d]`` with ``len16[b]`` valid
 slots, the sink in slots ``[0, S)`` and the recent window in order after it. The quantized tier lives in a
-:class:`~oscarkv.cache.pools.TokenPool` (or a :class:`~oscarkv.cache.pools.ChannelPool` for KIVI keys).
+:class:`~oscarkv.cache.pools.TokenPool` per K and V (token or channel pages).
 Rows arrive already centered and rotated; they are rounded to the 16-bit dtype when stored, and a demoted row is
 quantized from its 16-bit value (the only copy the cache holds), then dropped from the 16-bit buffer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from .pools import ChannelPool, TokenPool
+from .pools import TokenPool
 from .tiers import TierPolicy
 
 
@@ -49,7 +49,7 @@ class Bytes:
     def ratio_to_bf16(self) -> float:
         return self.used / self.bf16_equivalent if self.bf16_equivalent else 0.0
 
-    def __add__(self, o: "Bytes") -> "Bytes":
+    def __add__(self, o: Bytes) -> Bytes:
         return Bytes(*(getattr(self, f) + getattr(o, f) for f in self.__dataclass_fields__))
 
 
@@ -64,7 +64,7 @@ class LayerStore:
 
     def __init__(self, policy: TierPolicy, batch_size: int, num_kv_heads: int, head_dim: int,
                  dtype16: torch.dtype, device: torch.device | str,
-                 k_pool: TokenPool | ChannelPool | None, v_pool: TokenPool | None):
+                 k_pool: TokenPool | None, v_pool: TokenPool | None):
         self.policy, self.B, self.H, self.d = policy, batch_size, num_kv_heads, head_dim
         self.dtype16 = dtype16
         self.k16 = torch.zeros(batch_size, num_kv_heads, 0, head_dim, dtype=dtype16, device=device)
@@ -162,4 +162,4 @@ class LayerStore:
         )
 
 
-__all__ = ["LayerStore", "Bytes"]
+__all__ = ["Bytes", "LayerStore"]

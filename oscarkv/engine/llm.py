@@ -116,8 +116,10 @@ def _oscar_cache(net: Transformer, calib: Calibration, method: str | None, quiet
 
     r_k, r_v, mu_k, mu_v = stack("r_k", eye), stack("r_v", eye), stack("mu_k", zero), stack("mu_v", zero)
     fold_value_rotation(net, r_v, mu_v)
-    formats = None if recipe.uniform else tuple(recipe.layer_format(i) for i in range(L))
-    cache = CacheConfig("oscar", recipe.page_size, recipe.sink, recipe.window, recipe.bits, recipe.group_size,
+    tuples = tuple((f.k.bits, f.v.bits, f.k.layout) for f in recipe.formats)
+    bits = tuples[0][0]
+    formats = None if all(t == (bits, bits, "token") for t in tuples) else tuples
+    cache = CacheConfig("oscar", recipe.page_size, recipe.sink, recipe.window, bits, recipe.group_size,
                         recipe.meta_dtype, layer_formats=formats)
     clips = torch.tensor([[lr.k_clip for lr in recipe.layers], [lr.v_clip for lr in recipe.layers]])
     return cache, dict(r_k=r_k, mu_k=mu_k, k_clip=clips[0], v_clip=clips[1])

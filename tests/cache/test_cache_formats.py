@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from oscarkv import methods
-from oscarkv.artifact import ArtifactError, Calibration, ModelIdentity, TensorFormat
-from oscarkv.cache import ChannelPool, TokenPool, build_store
+from oscarkv.artifact import ArtifactError, Calibration, ModelIdentity
+from oscarkv.cache import TokenPool, build_store
+from oscarkv.formats import FormatError, LayerFormat, TensorFormat
 from oscarkv.config import QuantSpec
 from oscarkv.quant import dequantize_per_channel, quantize_per_channel
 
@@ -48,7 +49,7 @@ def _fill(store, rows_k, rows_v, steps=(5, 1, 17, 3, 30, 1, 1, 20)):
 def test_mixed_store_equals_single_format_store(layer):
     mixed = methods.resolve("oscar-auto", _calib(MIXED))
     single = methods.resolve("oscar-auto", _calib([MIXED[layer]] * 3))
-    assert not mixed.uniform
+    assert mixed.formats[layer] == single.formats[(layer + 1) % 3] == LayerFormat.from_entry(MIXED[layer])
     torch.manual_seed(layer)
     k, v = torch.randn(H, 78, D) * 3, torch.randn(H, 78, D)
     a = _fill(build_store(mixed, layer, 1, H, D, torch.float32, "cpu"), k, v)
@@ -69,7 +70,7 @@ def test_layer_pools_follow_formats():
     assert s1.k_pool.clip == 0.94 and s1.v_pool.clip == 0.9 and not s1.k_pool.fmt.channel
     assert s2.k_pool.fmt.channel and s2.k_pool.fmt.bits == 4 and s2.v_pool.fmt.bits == 2
     kivi = build_store(methods.resolve("kivi-2", _calib(MIXED)), 0, 1, H, D, torch.bfloat16, "cpu")
-    assert isinstance(kivi.k_pool, ChannelPool) and kivi.k_pool.group == 32
+    assert kivi.k_pool.fmt.channel and kivi.k_pool.fmt.page_size == 32  # KIVI's 32-token groups: channel pages
 
 
 def test_channel_pages_equal_per_channel_quantizer_on_each_page():
@@ -90,12 +91,16 @@ def test_channel_pages_equal_per_channel_quantizer_on_each_page():
 def test_unknown_format_names_error_clearly():
     with pytest.raises(ArtifactError, match="unknown format layout 'rows'"):
         _calib([{"k": {"layout": "rows"}, "v": {}}] * 3)
-    with pytest.raises(ArtifactError, match="unknown format rotation"):
+    with pytest.raises(FormatError, match="unknown format rotation"):
         TensorFormat(rotation="random")
-    with pytest.raises(ArtifactError, match="bits must be 2 or 4"):
+    with pytest.raises(FormatError, match="bits must be 2 or 4"):
         TensorFormat(bits=3)
-    with pytest.raises(ArtifactError, match="unknown tensor-format key"):
+    with pytest.raises(FormatError, match="unknown tensor-format key"):
         TensorFormat.from_dict({"layout": "token", "bitz": 2})
+    with pytest.raises(FormatError, match="no per-row clip"):
+        TensorFormat("channel", clip=0.9)
+    with pytest.raises(FormatError, match="clip must be a ratio"):
+        TensorFormat(clip=1.5)
     with pytest.raises(ArtifactError, match="values are stored token-wise"):
         _calib([{"k": {}, "v": {"layout": "channel"}}] * 3)
     with pytest.raises(ArtifactError, match="'k' and 'v'"):

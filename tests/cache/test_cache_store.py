@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oscarkv.cache import ChannelPool, LayerStore, TierPolicy, TokenPool, chunk_attention
+from oscarkv.cache import LayerStore, TierPolicy, TokenPool, chunk_attention
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.quant import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
@@ -46,8 +46,8 @@ def test_token_pool_sequences_share_pages():
     assert torch.equal(pool.read(1, 0, 6), dequantize(quantize(y)))
 
 
-def test_channel_pool_matches_kivi_quantizer():
-    pool = ChannelPool(H, D, group=8, bits=2, meta_dtype=torch.float16, batch_size=1, device="cpu")
+def test_channel_pages_match_kivi_quantizer():
+    pool = TokenPool(PageFormat(H, D, page_size=8, layout="channel"), 0.0, batch_size=1, device="cpu")
     x = _rows(24, 3)
     pool.write(0, x[:, :16])
     pool.write(0, x[:, 16:])
@@ -57,7 +57,7 @@ def test_channel_pool_matches_kivi_quantizer():
     assert torch.equal(pool.read(0, 5, 19), want[:, 5:19])
     assert torch.equal(pool.roundtrip(x), want)
     assert pool.used_bytes() == 3 * H * D * (2 + 2 * 2)
-    with pytest.raises(ValueError, match="whole groups"):
+    with pytest.raises(ValueError, match="written whole"):
         pool.write(0, x[:, :5])
 
 

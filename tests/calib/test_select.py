@@ -111,7 +111,7 @@ def test_calibrate_with_bit_budget_selects_and_oscar_auto_resolves(tmp_path):
     assert methods.nominal_bits("oscar-auto", 16, calib) <= 5.0 + 1e-9
     assert calib.provenance["format_selection"]["budget"] == 5.0
     recipe = methods.resolve("oscar-auto", calib)
-    assert [recipe.layer_format(i)[2] for i in range(2)] == [calib.formats(i)[0].layout for i in range(2)]
+    assert [recipe.formats[i].k.layout for i in range(2)] == [calib.formats(i)[0].layout for i in range(2)]
     calib.save(tmp_path / "c")
     assert Calibration.load(tmp_path / "c").spec.bit_budget == 5.0
 

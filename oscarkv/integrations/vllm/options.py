@@ -146,7 +146,9 @@ def resolve_recipe(opts: OscarOptions, calib):
         recipe = methods.resolve(opts.method, calib)
     except ConfigError as e:
         raise OscarVllmError(f"oscar.method {opts.method!r} cannot use this calibration: {e}") from e
-    if not recipe.uniform:  # e.g. oscar-auto: vLLM allocates one page size for every layer
+    first = recipe.formats[0]
+    uniform = all(f is None or (f.k.layout == "token" and f.k.bits == f.v.bits == first.k.bits) for f in recipe.formats)
+    if not uniform:  # e.g. oscar-auto: vLLM allocates one page size for every layer
         raise OscarVllmError(
             f"oscar.method {opts.method!r} stores per-layer formats (layer_formats); the vLLM backend serves one "
             "format for every layer: use method 'oscar' (it ignores layer_formats), or serve per-layer formats "

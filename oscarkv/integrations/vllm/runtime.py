@@ -43,7 +43,7 @@ class Runtime:
 
         r = self.recipe
         return PageFormat(num_kv_heads=num_kv_heads, head_dim=self.model.head_dim, page_size=block_size,
-                          bits=r.bits, group_size=r.group_size, meta_dtype=r.meta_dtype)
+                          bits=r.formats[0].k.bits, group_size=r.group_size, meta_dtype=r.meta_dtype)
 
 
 def served_model(vllm_config: Any) -> ServedModel:
@@ -101,7 +101,7 @@ def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
     dt = vllm_config.model_config.dtype
     window_dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
     logger.info("OSCAR KV cache: method %s, %s%s, calibration %s", opts.method,
-                f"{recipe.bits}-bit" if recipe.quantized else "16-bit",
+                f"{recipe.formats[0].k.bits}-bit" if recipe.quantized else "16-bit",
                 f", 16-bit sink {tiers.sink} + window {tiers.window} (pages of {tiers.page}) for {num_slots} "
                 "sequences" if tiers.enabled else "", opts.calibration)
     return Runtime(opts=opts, calib=calib, recipe=recipe, model=model, tiers=tiers, num_slots=num_slots,
