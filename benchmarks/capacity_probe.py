@@ -15,23 +15,7 @@ from oscarkv.engine.model import PRESETS, random_model
 
 
 def build(model, kv: str, ctx: int, cap: int):
-    from oscarkv.artifact import Calibration
-    from oscarkv.config import QuantSpec
-    from oscarkv.engine import LLM
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
-    from oscarkv.engine.llm import identity_of
-    cfg = model.cfg
-    n = ctx + 64
-    cache = CacheConfig(kv)
-    cls = OscarPool if kv == "oscar" else Bf16Pool
-    geo = (cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
-    budget = 2 * cls.slot_bytes(*geo) + (cache.pages_for(n) + 2) * cls.page_bytes(*geo)
-    calib = None
-    if kv == "oscar":
-        spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
-        calib = Calibration.identity(identity_of(cfg), spec, clip=0.96)
-    return LLM(model, calib, kv=kv, kv_budget_gb=budget / 2**30 + 1e-6, max_num_seqs=1, max_model_len=max(n, cap),
-               monitor_every=0, pdl=True)
+    return B.build(model, kv, 1, ctx, pdl=True, max_model_len=cap or None)
 
 
 model = random_model(PRESETS["qwen3-8b"], dtype=torch.bfloat16, device="cuda")

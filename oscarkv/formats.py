@@ -128,4 +128,18 @@ class LayerFormat:
         return cls(TensorFormat.from_dict(entry["k"]), TensorFormat.from_dict(entry["v"]))
 
 
-__all__ = ["BITS", "LAYOUTS", "ROTATIONS", "FormatError", "LayerFormat", "TensorFormat"]
+def describe_layers(layers: list[int], total: int) -> str:
+    """``"all 30"``, ``"none of 30"`` or the layer indices as ranges (``"2, 5, 8-11 of 18"``)."""
+    if len(layers) == total:
+        return f"all {total}"
+    if not layers:
+        return f"none of {total}"
+    runs, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return f"{', '.join(runs)} of {total}"
+
+
+__all__ = ["BITS", "LAYOUTS", "ROTATIONS", "FormatError", "LayerFormat", "TensorFormat", "describe_layers"]

@@ -1,7 +1,7 @@
-"""The demotion rule: which tokens of a sequence sit in which tier. Pure functions, shared by the transformers
-cache, the teacher-forced simulation and the engine.
+"""The demotion rule: which tokens of a sequence sit in which tier. Pure functions.
 
-A sequence of ``n`` tokens holds, in order:
+This is the only definition of the tier rule: the transformers cache, the teacher-forced simulation, the engine and
+the vLLM plugin all read it from here. A sequence of ``n`` tokens holds, in order:
 
 * the **sink**: tokens ``[0, min(n, S))`` in 16-bit;
 * the **quantized tier**: tokens ``[S, S + q(n))``;
@@ -60,6 +60,22 @@ class TierPolicy:
     def max_16bit(self) -> int:
         """Most tokens the 16-bit tiers ever hold for one sequence between appends."""
         return self.sink + self.window + self.unit - 1
+
+    @property
+    def capacity16(self) -> int:
+        """16-bit rows a sequence needs when a step's token is stored before the step's demotion (a decode
+        step writes its token into the recent window first, then demotes after the forward)."""
+        return self.sink + self.window + self.unit
+
+    @property
+    def ring(self) -> int:
+        """Rows of a ring that holds the recent window at every step (``window + unit``)."""
+        return self.window + self.unit
+
+    @property
+    def windows(self) -> bool:
+        """True when some tokens stay 16-bit (a sink or a recent window); False: every token is quantized."""
+        return self.sink > 0 or self.window > 0
 
 
 __all__ = ["TierPolicy"]

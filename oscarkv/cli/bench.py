@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -111,22 +112,39 @@ def provenance() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- set-up
+def store_sizes(model, kv: str) -> tuple[int, int, object]:
+    """``(bytes per slot, bytes per page, pages_for(n))`` of the store :func:`build` makes: OSCAR with the default
+    spec (2-bit token pages of 64 tokens, sink 64 + window 256), or 16-bit pages of 64 tokens."""
+    import torch
+
+    from oscarkv.cache import Paged16Store, PagedStore, PageGeometry, TierPolicy
+    from oscarkv.config import QuantSpec
+    from oscarkv.formats import LayerFormat, TensorFormat
+
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    if kv == "bf16":
+        return 0, Paged16Store.page_bytes(L, H, d, 64, dtype), lambda n: math.ceil(n / 64)
+    spec = QuantSpec()
+    policy, geo = TierPolicy(spec.sink, spec.window, spec.page_size), PageGeometry(H, d, spec.page_size)
+    fmts = [LayerFormat(TensorFormat("token", 2, "none"), TensorFormat("token", 2, "none"))] * L
+    dtype16 = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return (PagedStore.slot_bytes(L, policy, geo, dtype16), PagedStore.page_bytes(fmts, geo),
+            lambda n: math.ceil(policy.quantized(n) / spec.page_size))
+
+
 def build(model, kv: str, n_seqs: int, ctx: int, extra_tokens: int = 64, gemv: str = "auto", pdl: bool = False,
           max_model_len: int | None = None):
-    """An LLM whose pool holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens; ``max_model_len``
+    """An LLM whose store holds exactly ``n_seqs`` sequences of ``ctx + extra_tokens`` tokens; ``max_model_len``
     (default: that length) sets the block table's width, i.e. the bound the decode plans for."""
     from oscarkv.artifact import Calibration
     from oscarkv.config import QuantSpec
     from oscarkv.engine import LLM
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
     from oscarkv.engine.llm import identity_of
 
-    cfg, dtype = model.cfg, next(model.parameters()).dtype
-    L, H, d, n = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx + extra_tokens
-    cache = CacheConfig(kv)
-    cls = OscarPool if kv == "oscar" else Bf16Pool
-    geo = (cache, L, H, d, dtype)
-    budget = (n_seqs + 1) * cls.slot_bytes(*geo) + (n_seqs * cache.pages_for(n) + 2) * cls.page_bytes(*geo)
+    cfg, n = model.cfg, ctx + extra_tokens
+    slot, page, pages_for = store_sizes(model, kv)
+    budget = (n_seqs + 1) * slot + (n_seqs * pages_for(n) + 2) * page
     calib = None
     if kv == "oscar":
         spec = QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none")
@@ -140,45 +158,42 @@ def fill_random(llm, n_seqs: int, ctx: int):
     """Put ``n_seqs`` decode-ready sequences of ``ctx`` cached tokens with random K/V into slots ``0..n-1``."""
     import torch
 
-    from oscarkv.engine.core import Sequence
-    from oscarkv.engine.kv import OscarPool
-    from oscarkv.engine.sampling import SamplingParams
+    from oscarkv.cache import PagedStore
+    from oscarkv.engine import SamplingParams, Sequence
 
-    eng, pool = llm.engine, llm.pool
+    eng, st = llm.engine, llm.store
     seqs = []
     for i in range(n_seqs):
         seq = Sequence([1] * (ctx + 1), SamplingParams(max_tokens=1 << 20, ignore_eos=True))
         seq.slot, seq.n_cached = i, ctx
-        seq.pages = pool.alloc.allocate(pool.cfg.pages_for(ctx + 1))
-        pool.set_pages(i, 0, seq.pages)
-        pool.lens[i] = ctx
+        st.table.add_pages(i, st.allocator.allocate(st.pages_for(ctx + 1)))
+        st.lens[i] = ctx
         eng.running.append(seq)
         seqs.append(seq)
-    if isinstance(pool, OscarPool):
+    if isinstance(st, PagedStore):
         for i in range(n_seqs):
-            pool.qlens[i] = pool.cfg.qlen(ctx)
-        pool.codes.random_(0, 256)
-        pool.scale.uniform_(0.005, 0.05)
-        pool.offset.uniform_(-0.1, 0.0)
-        pool.buf.normal_(0, 0.1)
+            st.qlens[i] = st.policy.quantized(ctx)
+        for pages in (*st.k_pages, *st.v_pages):
+            pages.codes.random_(0, 256)
+            pages.scale.uniform_(0.005, 0.05)
+            pages.offset.uniform_(-0.1, 0.0)
+        st.buf.normal_(0, 0.1)
     else:
-        pool.kv.normal_(0, 0.1)
+        st.kv.normal_(0, 0.1)
     torch.cuda.synchronize()
     return seqs
 
 
 def time_decode(llm, seqs, replays: int, engine_steps: int = 16) -> dict:
     """Graph replay time of one decode step (ms), and full engine steps (host work, sampling and the OSCAR
-    pool's demotions included): the median of ``engine_steps`` of them (the first crosses a page boundary at a
+    store's demotions included): the median of ``engine_steps`` of them (the first crosses a page boundary at a
     64-aligned context, so it demotes; steady decoding does that once every 64 steps) and the slowest."""
     import torch
 
-    eng = llm.engine
-    bs = next(s for s in eng.graph_sizes if s >= len(seqs))
-    ctx = eng._ctx(bs)
-    ctx.fill(*eng._rows(seqs, bs))
-    eng.capture(bs)
-    graph = eng.graphs[bs][0]
+    eng, runner = llm.engine, llm.engine.runner
+    bs = runner.batch_size(len(seqs))
+    runner.decode(seqs, bs)  # fills the batch's inputs and captures its graph
+    graph = runner.graphs[bs][0]
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -201,15 +216,15 @@ def time_decode(llm, seqs, replays: int, engine_steps: int = 16) -> dict:
 
 
 def kv_read_bytes(llm, ctx: int) -> float:
-    """KV bytes one decode step reads for one sequence of ``ctx`` tokens (from the pool's own tensors)."""
-    from oscarkv.engine.kv import OscarPool
+    """KV bytes one decode step reads for one sequence of ``ctx`` tokens (from the store's own geometry)."""
+    from oscarkv.cache import Paged16Store, PagedStore
 
-    pool = llm.pool
-    row16 = 2 * pool.L * pool.H * pool.d * pool.buf.element_size() if isinstance(pool, OscarPool) else 0
-    if isinstance(pool, OscarPool):
-        q = pool.cfg.qlen(ctx)
-        return q * pool.bytes_per_token_paged() + (ctx - q) * row16
-    return ctx * pool.bytes_per_token_paged()
+    st, L = llm.store, llm.model.cfg.num_layers
+    if isinstance(st, PagedStore):
+        q = st.policy.quantized(ctx)
+        row16 = 2 * L * st.H * st.d * st.buf.element_size()
+        return q * PagedStore.page_bytes(st.formats, st.geo) / st.page_size + (ctx - q) * row16
+    return ctx * Paged16Store.page_bytes(L, st.H, st.d, st.page_size, st.dtype) / st.page_size
 
 
 def release(llm) -> None:
@@ -304,14 +319,8 @@ def latency_table(rows: list[dict]) -> list[str]:
 
 
 def max_seqs(model, kv: str, ctx: int, budget_gb: float) -> int:
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
-
-    cfg, dtype = model.cfg, next(model.parameters()).dtype
-    cache = CacheConfig(kv)
-    cls = OscarPool if kv == "oscar" else Bf16Pool
-    geo = (cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-    per = cache.pages_for(ctx + 64) * cls.page_bytes(*geo) + cls.slot_bytes(*geo)
-    return int(budget_gb * 2**30 // per)
+    slot, page, pages_for = store_sizes(model, kv)
+    return int(budget_gb * 2**30 // (pages_for(ctx + 64) * page + slot))
 
 
 def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str = "auto",
@@ -335,19 +344,13 @@ def throughput(model, ctx: int, budget_gb: float, replays: int, log, gemv: str =
 
 
 def memory(model, ctx: int) -> dict:
-    """KV bytes per token from the pools' own tensors: the paged tier alone, and per sequence of ``ctx``
+    """KV bytes per token of the stores :func:`build` makes: the paged tier alone, and per sequence of ``ctx``
     tokens with everything it holds (OSCAR: its 2-bit pages plus its whole 16-bit slot buffer)."""
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
-
-    cfg, dtype = model.cfg, next(model.parameters()).dtype
     out = {}
-    for kv, cls in (("bf16", Bf16Pool), ("oscar", OscarPool)):
-        cache = CacheConfig(kv)
-        geo = (cache, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        llm = build(model, kv, 1, 4096)
-        paged = llm.pool.bytes_per_token_paged()
-        release(llm)
-        per_seq = cache.pages_for(ctx) * cache.page_size * paged + cls.slot_bytes(*geo)
+    for kv in ("bf16", "oscar"):
+        slot, page, pages_for = store_sizes(model, kv)
+        paged = page / 64
+        per_seq = pages_for(ctx) * page + slot
         out[kv] = {"paged_bytes_per_token": paged, "bytes_per_token_at_ctx": per_seq / ctx, "context": ctx}
     out["ratio_paged"] = out["bf16"]["paged_bytes_per_token"] / out["oscar"]["paged_bytes_per_token"]
     out["ratio_at_ctx"] = out["bf16"]["bytes_per_token_at_ctx"] / out["oscar"]["bytes_per_token_at_ctx"]
@@ -398,9 +401,8 @@ def run_checks(log) -> dict:
         res["bf16_greedy_token_match"] = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y)) / (24 * 3)
         res["bf16_used_cuda_graphs"] = bool(llm.engine.graphs)
         toks = torch.tensor(prompts[2], device=dev)
-        pages = llm.pool.alloc.allocate(5)
-        llm.pool.set_pages(0, 0, pages)
-        ours = llm.model(toks, torch.arange(len(toks), device=dev), PrefillCtx(llm.pool, 0, 0, len(toks), 0.125, []))
+        llm.store.table.add_pages(0, llm.store.allocator.allocate(5))
+        ours = llm.model(toks, torch.arange(len(toks), device=dev), PrefillCtx(llm.store, 0, 0, len(toks), 0.125))
         res["bf16_prefill_logits_max_abs_err"] = (ours - hf(toks[None]).logits[0]).abs().max().item()
         spec = QuantSpec(sink=16, window=64, page_size=16, k_clip=0.96, v_clip=0.92)
         ident = identity_of(llm.model.cfg)

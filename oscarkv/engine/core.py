@@ -1,92 +1,86 @@
-"""Sequences, the continuous-batching scheduler and the model runner (CUDA graphs for decode).
+"""The engine: one ``step()`` schedules, runs the model and samples, and never lets one request take it down.
 
-One ``Engine.step()``: admit waiting requests while slots and pages allow (a request is admitted only when
-pages for its whole prompt are free), run up to ``prefill_chunk`` prompt tokens (chunked prefill), then one
-decode step for every sequence whose prompt is done. When a decode step needs a page and none is free, the
-newest running sequence is preempted (its pages freed, its tokens re-prefilled when it is resumed).
+A step: admit waiting requests (:mod:`.scheduler`), run this step's prompt chunks one sequence at a time, then one
+decode step for every sequence whose prompt is done (:mod:`.model_runner`), sample, and finish sequences.
+
+Fault isolation. An exception while running one sequence's prompt chunk, sampling its token or calling its
+``on_token`` fails that sequence only (``finish_reason == "error"``, ``error`` says why; its pages are freed).
+An exception in a decode batch is retried on halves of the batch until the failing sequences are found: the
+store is designed for that (a decode forward writes only each row's own 16-bit row, and the store counts the
+token and demotes pages only after a forward succeeded), so a retried row computes exactly what it would have.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .attention import DecodeCtx, PrefillCtx
-from .kv import KVPool, OscarPool
-from .sampling import SamplingParams, sample
+from ..cache import Paged16Store, PagedStore
+from .attention import KeyRotation
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampling import sample
+from .scheduler import Scheduler
+from .sequence import Sequence
 
-_ids = itertools.count()
+log = logging.getLogger(__name__)
 
 
-@dataclass
-class Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    on_token: Callable[["Sequence", int], None] | None = None
-    id: int = field(default_factory=lambda: next(_ids))
-    out: list[int] = field(default_factory=list)
-    slot: int = -1
-    pages: list[int] = field(default_factory=list)
-    n_cached: int = 0  # tokens whose K/V are in the pool
-    in_prefill: bool = False
-    finish_reason: str | None = None
-    preemptions: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.out
-
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:500]}"
 
 
 class Engine:
-    """Scheduler + runner over one model and one pool. Not thread-safe: drive it from one thread."""
+    """Scheduler + block manager + model runner over one model and one store. Not thread-safe: drive it from
+    one thread."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, *, eos_ids: tuple[int, ...] = (),
-                 max_model_len: int, prefill_chunk: int = 2048, cuda_graphs: bool = True,
-                 graph_sizes: tuple[int, ...] | None = None):
-        self.model, self.pool = model, pool
-        self.eos_ids, self.max_model_len, self.prefill_chunk = set(eos_ids), max_model_len, prefill_chunk
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # index == slot
-        self.sm_scale = model.cfg.head_dim ** -0.5
-        self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+    def __init__(self, model: torch.nn.Module, store: PagedStore | Paged16Store, *, rotation: KeyRotation | None,
+                 eos_ids: tuple[int, ...] = (), max_model_len: int, max_num_seqs: int, prefill_chunk: int = 2048,
+                 cuda_graphs: bool = True):
+        self.model, self.store = model, store
+        self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
+        self.blocks = BlockManager(store)
+        self.scheduler = Scheduler(store, self.blocks, max_num_seqs, prefill_chunk)
+        self.runner = ModelRunner(model, store, rotation=rotation, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "errors": 0}
         self.detok: Callable[[Sequence], bool] | None = None  # stop-string check, set by the LLM wrapper
-        self.graphs: dict[int, tuple] = {}
-        self.ctxs: dict[int, DecodeCtx] = {}
-        self._cuda_graphs = cuda_graphs and pool.device.type == "cuda" and self._graph_safe()
-        sizes = graph_sizes or tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-                                     if s <= pool.max_slots)
-        self.graph_sizes = sorted(set(sizes) | {pool.max_slots})
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def graphs(self) -> dict:
+        return self.runner.graphs
 
     # ------------------------------------------------------------------------------------- requests
     def add(self, seq: Sequence) -> None:
-        """Queue a request; raises ``ValueError`` for one that can never fit."""
+        """Queue a request; raises ``ValueError`` for one that can never run (the caller validated the ids)."""
         n = len(seq.prompt)
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this engine's max_model_len is {self.max_model_len}")
         total = min(n + seq.params.max_tokens, self.max_model_len)
-        need, cap = self.pool.cfg.pages_for(total), self.pool.alloc.capacity
+        need, cap = self.blocks.pages_for(total), self.blocks.capacity
         if need > cap:
             raise ValueError(f"request needs {need} KV pages for {total} tokens but the whole pool holds {cap}; "
                              "raise kv_budget_gb or lower max_tokens")
         if seq.params.seed is not None:
-            seq.generator = torch.Generator(device=self.pool.device).manual_seed(seq.params.seed)
-        self.waiting.append(seq)
+            seq.generator = torch.Generator(device=self.store.device).manual_seed(seq.params.seed)
+        self.scheduler.add(seq)
 
     def abort(self, seq_id: int) -> bool:
         for seq in list(self.waiting):
             if seq.id == seq_id:
-                self.waiting.remove(seq)
+                self.scheduler.remove_waiting(seq)
                 seq.finish_reason = "abort"
                 return True
         for seq in self.running:
@@ -96,219 +90,118 @@ class Engine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
-    # ------------------------------------------------------------------------------------ scheduling
-    def _admit(self) -> None:
-        pool = self.pool
-        while self.waiting and len(self.running) < pool.max_slots:
-            seq = self.waiting[0]
-            need = pool.cfg.pages_for(len(seq.tokens))
-            if need > pool.alloc.num_free:
-                break
-            self.waiting.popleft()
-            seq.slot, seq.n_cached, seq.in_prefill = len(self.running), 0, True
-            seq.pages = pool.alloc.allocate(need)
-            pool.set_pages(seq.slot, 0, seq.pages)
-            self.running.append(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        """Free a running sequence's pages and slot, moving the top slot down to keep slots compact."""
-        pool, s = self.pool, seq.slot
-        pool.alloc.free(seq.pages)
-        seq.pages, seq.slot, seq.n_cached = [], -1, 0
-        last = self.running.pop()
-        if last is not seq:
-            self.running[s] = last
-            pool.move_slot(last.slot, s)
-            last.slot = s
-        else:
-            pool.clear_slot(s)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self._release(seq)
-
-    def _preempt_for(self, seq: Sequence, pages: int) -> bool:
-        """Free pages by preempting the newest sequences; False if ``seq`` itself was preempted."""
-        while self.pool.alloc.num_free < pages:
-            victim = self.running[-1]
-            self._release(victim)
-            victim.preemptions += 1
-            self.stats["preemptions"] += 1
-            self.waiting.appendleft(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _grow(self, seq: Sequence, n: int) -> bool:
-        """Make sure ``seq`` has pages for ``n`` tokens (preempting others if needed)."""
-        extra = self.pool.cfg.pages_for(n) - len(seq.pages)
-        if extra <= 0:
-            return True
-        if not self._preempt_for(seq, extra):
-            return False
-        new = self.pool.alloc.allocate(extra)
-        self.pool.set_pages(seq.slot, len(seq.pages), new)
-        seq.pages += new
-        return True
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
 
     # ------------------------------------------------------------------------------------------ step
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One scheduling step; returns the sequences that finished in it."""
-        self._admit()
+        """One scheduling step; returns the sequences that finished in it (``finish_reason`` set)."""
         done: list[Sequence] = []
-        budget = self.prefill_chunk
-        for seq in list(self.running):
-            if budget <= 0 or seq.slot < 0 or not seq.in_prefill:
-                continue
-            n_all = len(seq.tokens)
-            n1 = min(n_all, seq.n_cached + budget)
-            budget -= n1 - seq.n_cached
-            logits = self._prefill(seq, seq.n_cached, n1)
-            if n1 == n_all:
-                seq.in_prefill = False
-                self._emit(seq, logits, done)
-        ready = [s for s in self.running if not s.in_prefill]
-        if ready:
-            self._decode(ready, done)
+        try:
+            self.scheduler.admit()
+            for seq, n0, n1 in self.scheduler.prefills():
+                if seq.slot >= 0 and not seq.finished:
+                    self._prefill(seq, n0, n1, done)
+            ready = self.scheduler.decodes()
+            if ready:
+                self._decode(ready, done)
+        except Exception as e:  # a fault outside any one request: fail the running ones, live on
+            log.exception("engine step failed outside the per-request paths; failing %d running requests",
+                          len(self.running))
+            self._fail(list(self.running), e, done)
         self.stats["steps"] += 1
         return done
 
-    def _emit(self, seq: Sequence, logits: Tensor, done: list[Sequence]) -> None:
-        tok = sample(logits[None], [seq.params], [seq.generator])[0]
-        self._append(seq, tok, done)
+    def _prefill(self, seq: Sequence, n0: int, n1: int, done: list[Sequence]) -> None:
+        try:
+            logits = self.runner.prefill(seq, n0, n1)
+        except Exception as e:  # isolated: this sequence only
+            log.exception("prefill of request %d failed", seq.id)
+            self._fail([seq], e, done)
+            return
+        self.store.commit(seq.slot, n1 - n0)
+        seq.n_cached = n1
+        self.stats["prompt_tokens"] += n1 - n0
+        if n1 == len(seq.tokens):
+            seq.in_prefill = False
+            self._sample_and_append([seq], logits[None], done)
+
+    def _decode(self, ready: list[Sequence], done: list[Sequence]) -> None:
+        """Decode ``ready``; on a failure, the same on each half of it (the failing sequences end in errors)."""
+        try:
+            logits = self.runner.decode(ready, self.runner.batch_size(len(self.running)))
+            rows = logits[[s.slot for s in ready]]
+            self.store.commit_decode([s.slot for s in ready])
+        except Exception as e:  # find and fail the sequences involved, retry the others
+            if len(ready) == 1:
+                log.exception("decode of request %d failed", ready[0].id)
+                self._fail(ready, e, done)
+                return
+            half = len(ready) // 2
+            for part in (ready[:half], ready[half:]):
+                part = [s for s in part if s.slot >= 0 and not s.finished]
+                if part:
+                    self._decode(part, done)
+            return
+        for seq in ready:
+            seq.n_cached += 1
+        self._sample_and_append(ready, rows, done)
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: Tensor, done: list[Sequence]) -> None:
+        try:
+            toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception as e:  # sampling is per request: find the one that fails
+            if len(seqs) == 1:
+                self._fail(seqs, e, done)
+                return
+            for i, seq in enumerate(seqs):
+                self._sample_and_append([seq], logits[i:i + 1], done)
+            return
+        for seq, tok in zip(seqs, toks):
+            self._append(seq, tok, done)
 
     def _append(self, seq: Sequence, tok: int, done: list[Sequence]) -> None:
         seq.out.append(tok)
         self.stats["generated_tokens"] += 1
         p = seq.params
         reason = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = "stop"
-        elif self.detok is not None and p.stop and self.detok(seq):
-            reason = "stop"
-        elif len(seq.out) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-            reason = "length"
-        if seq.on_token is not None:
-            seq.on_token(seq, tok)
+        try:
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids or self.detok is not None and p.stop and self.detok(seq):
+                reason = "stop"
+            elif len(seq.out) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+            if seq.on_token is not None:
+                seq.on_token(seq, tok)
+        except Exception as e:  # a caller's callback or detokenizer failed for this request
+            log.exception("finishing token of request %d failed", seq.id)
+            self._fail([seq], e, done)
+            return
         if reason:
             self._finish(seq, reason)
             done.append(seq)
 
-    def _prefill(self, seq: Sequence, n0: int, n1: int) -> Tensor:
-        pool = self.pool
-        if isinstance(pool, OscarPool):  # pages for this chunk's demotions were allocated at admission
-            q0, q1 = pool.qlens[seq.slot], pool.cfg.qlen(n1)
-            P = pool.cfg.page_size
-            new_pages = seq.pages[q0 // P: q1 // P]
-        else:
-            new_pages = []
-        ctx = PrefillCtx(pool, seq.slot, n0, n1, self.sm_scale, new_pages)
-        dev = pool.device
-        tokens = torch.tensor(seq.tokens[n0:n1], device=dev)
-        positions = torch.arange(n0, n1, device=dev)
-        last = torch.tensor([n1 - n0 - 1], device=dev)
-        logits = self.model(tokens, positions, ctx, last)[0]
-        pool.lens[seq.slot] = n1
-        if isinstance(pool, OscarPool):
-            pool.qlens[seq.slot] = ctx.q1
-        seq.n_cached = n1
-        self.stats["prompt_tokens"] += n1 - n0
-        return logits
+    # --------------------------------------------------------------------------------------- finishing
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.slot >= 0:
+            self.scheduler.release(seq)
 
-    def _decode(self, ready: list[Sequence], done: list[Sequence]) -> None:
-        pool = self.pool
-        for seq in list(ready):  # capacity for one more token each, preempting the newest if needed
+    def _fail(self, seqs: list[Sequence], e: BaseException, done: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.finished:
+                continue
+            seq.error = _describe(e)
+            self.stats["errors"] += 1
             if seq.slot >= 0:
-                self._grow(seq, seq.n_cached + 1)
-        ready = [s for s in ready if s.slot >= 0]
-        if not ready:
-            return
-        bs = next(s for s in self.graph_sizes if s >= len(self.running))
-        ctx = self._ctx(bs)
-        rows = self._rows(ready, bs)
-        ctx.fill(*rows)
-        logits = self._run_decode(ctx, bs)
-        for seq in ready:
-            pool.lens[seq.slot] = seq.n_cached + 1
-            seq.n_cached += 1
-        if isinstance(pool, OscarPool):
-            self._demote(ready)
-        toks = sample(logits[[s.slot for s in ready]], [s.params for s in ready], [s.generator for s in ready])
-        for seq, tok in zip(ready, toks):
-            self._append(seq, tok, done)
-
-    def _demote(self, ready: list[Sequence]) -> None:
-        pool = self.pool
-        P = pool.cfg.page_size
-        slots, pages = [], []
-        for seq in ready:
-            q0, q1 = pool.qlens[seq.slot], pool.cfg.qlen(seq.n_cached)
-            if q1 > q0:
-                slots.append(seq.slot)
-                pages.append(seq.pages[q0 // P: q1 // P])
-        if slots:
-            pool.demote(slots, pages)
-
-    def _rows(self, ready: list[Sequence], bs: int) -> tuple[list[int], ...]:
-        """Host metadata for slots ``[0, bs)``; rows that do not decode write to scratch and attend to nothing."""
-        pool = self.pool
-        P = pool.cfg.page_size
-        scratch = pool.cfg.c16 if isinstance(pool, OscarPool) else 0
-        tokens, pos, widx, lens, qlen = [0] * bs, [0] * bs, [scratch] * bs, [0] * bs, [0] * bs
-        for seq in ready:
-            s, n = seq.slot, seq.n_cached
-            tokens[s], pos[s] = seq.tokens[n], n
-            if isinstance(pool, OscarPool):
-                qlen[s] = pool.qlens[s]
-                widx[s] = n - qlen[s]
-                lens[s] = widx[s] + 1
+                self._finish(seq, "error")
             else:
-                widx[s] = seq.pages[n // P] * P + n % P
-                lens[s] = n + 1
-        return tokens, pos, widx, lens, qlen
-
-    # ------------------------------------------------------------------------------------ CUDA graphs
-    def _graph_safe(self) -> bool:
-        if not isinstance(self.pool, OscarPool):
-            return True
-        from .attention import _triton_decode  # noqa: PLC0415
-
-        return _triton_decode() is not None
-
-    def _ctx(self, bs: int) -> DecodeCtx:
-        if bs not in self.ctxs:
-            self.ctxs[bs] = DecodeCtx(self.pool, bs, self.sm_scale)
-        return self.ctxs[bs]
-
-    def _forward(self, ctx: DecodeCtx) -> Tensor:
-        return self.model(ctx.tokens, ctx.positions, ctx)
-
-    def _run_decode(self, ctx: DecodeCtx, bs: int) -> Tensor:
-        if not self._cuda_graphs:
-            return self._forward(ctx)
-        if bs not in self.graphs:
-            self.capture(bs)
-        graph, out = self.graphs[bs]
-        graph.replay()
-        return out
-
-    def capture(self, bs: int) -> None:
-        """Capture the decode step for batch size ``bs`` (inputs are the static tensors of its context)."""
-        ctx = self._ctx(bs)
-        pool_mem = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._forward(ctx)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool_mem):
-            out = self._forward(ctx)
-        self.graphs[bs] = (graph, out)
+                self.scheduler.remove_waiting(seq)
+                seq.finish_reason = "error"
+            done.append(seq)
 
 
 __all__ = ["Engine", "Sequence"]

@@ -14,11 +14,14 @@ import time
 import torch
 from torch import Tensor
 
-from ..quant import QuantizedRows, dequantize
+from ..quant import clip_rows
 
 
 class QuantMonitor:
-    """Running means per (K/V, layer) of the relative error and the clipped fraction of sampled demotions."""
+    """Running means per (K/V, layer) of the relative error and the clipped fraction of sampled demotions.
+
+    The store asks :meth:`sample` once per demotion and, when it says yes, hands every layer's demoted rows to
+    :meth:`record`."""
 
     def __init__(self, num_layers: int, every: int = 4):
         self.every, self.calls = every, 0
@@ -27,18 +30,18 @@ class QuantMonitor:
         self.count = torch.zeros(2, num_layers, dtype=torch.float64)
         self.lock = threading.Lock()
 
-    def __call__(self, which: int, layers: slice, x: Tensor, xc: Tensor, q: QuantizedRows) -> None:
+    def sample(self) -> bool:
         self.calls += 1
-        if self.every <= 0 or self.calls % self.every:
-            return
-        deq = dequantize(q)  # [Lsub, ..., d] float32
-        dims = tuple(range(1, x.ndim))
-        err = ((x - deq).pow(2).sum(dims) / x.pow(2).sum(dims).clamp_min(1e-30)).sqrt()
-        clipped = (x != xc).float().mean(dims)
+        return self.every > 0 and self.calls % self.every == 0
+
+    def record(self, layer: int, which: int, x: Tensor, deq: Tensor, clip: float) -> None:
+        """Rows ``x`` (float32, centered and rotated, before clipping) and what the pages now hold ``deq``."""
+        err = float((x - deq).pow(2).sum() / x.pow(2).sum().clamp_min(1e-30)) ** 0.5
+        clipped = float((clip_rows(x, clip) != x).float().mean()) if clip > 0 else 0.0
         with self.lock:
-            self.err[which, layers] += err.double().cpu()
-            self.clipped[which, layers] += clipped.double().cpu()
-            self.count[which, layers] += 1
+            self.err[which, layer] += err
+            self.clipped[which, layer] += clipped
+            self.count[which, layer] += 1
 
     def snapshot(self) -> tuple[Tensor, Tensor, Tensor]:
         with self.lock:
@@ -52,7 +55,7 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.counters = {"requests_total": 0.0, "requests_finished_total": 0.0, "requests_aborted_total": 0.0,
-                         "requests_rejected_total": 0.0, "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0,
+                         "requests_rejected_total": 0.0, "requests_failed_total": 0.0, "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0,
                          "preemptions_total": 0.0}
         self.start = time.monotonic()
         self._window: list[tuple[float, int]] = []  # (time, generated tokens) for the tokens/s gauge

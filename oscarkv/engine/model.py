@@ -10,7 +10,6 @@ Attention itself is delegated to a KV pool (:mod:`oscarkv.engine.kv`) through ``
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -149,19 +148,6 @@ GEMV_BACKENDS = ("auto", "cublas", "triton")
 # at M = 1 it beats cuBLAS plus separate norm ops (8B step 5.09 vs 5.52 ms of GEMV, 4B 3.38 vs 3.46), at M = 4
 # and 8 it loses (8B 5.56 vs 5.26 ms), so larger batches keep cuBLAS.
 GEMV_AUTO_MAX_M = 1
-PDL_ENV = "OSCARKV_PDL"  # "1" / "0": the default of LLM(pdl=None) (and of Transformer.pdl at construction)
-
-
-def pdl_default() -> bool:
-    """``$OSCARKV_PDL`` as a bool (on when unset or empty: on the H200 it took 0.29-0.32 ms off the 8B batch-1
-    step, bit-equal logits; docs/results/e2e_h200.md, session 14)."""
-    v = os.environ.get(PDL_ENV, "1").strip().lower()
-    if v in ("", "1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"${PDL_ENV} must be 0 or 1, got {v!r}")
-
 
 class Transformer(nn.Module):
     """``forward(tokens [N], positions [N], ctx, last [M] | None) -> logits [M, vocab]`` (float32).
@@ -170,12 +156,12 @@ class Transformer(nn.Module):
     rows on CUDA run the fused Triton GEMV, :meth:`Block.forward_gemv`) or "auto" (the default: the Triton GEMV
     for ``GEMV_AUTO_MAX_M`` rows, where it measured faster); prefill and larger batches keep ``nn.Linear``.
 
-    ``pdl`` (``set_pdl``; default ``$OSCARKV_PDL``, on when unset): decode steps on CUDA sm_90+ launch our Triton kernels
+    ``pdl`` (``set_pdl``; on by default, ``EngineConfig.pdl``): decode steps on CUDA sm_90+ launch our Triton kernels
     (and the CUDA decode attention) as programmatic dependents, and compute the embedding and RoPE tables in one
     kernel of ours (``ops.embed_rope``) and the logits as float32 in the lm_head GEMV, so that a single-row
     step on the fused GEMV is one chain of PDL kernels. A no-op on CPU and under the Triton interpreter."""
 
-    def __init__(self, cfg: ModelConfig, gemv: str = "auto", pdl: bool | None = None):
+    def __init__(self, cfg: ModelConfig, gemv: str = "auto", pdl: bool = True):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -201,10 +187,11 @@ class Transformer(nn.Module):
             raise ValueError(f"gemv must be one of {list(GEMV_BACKENDS)}, got {gemv!r}")
         self.gemv = gemv
 
-    def set_pdl(self, pdl: bool | None) -> None:
-        """Programmatic dependent launch of the decode step's kernels (set before a CUDA graph is captured);
-        ``None``: ``$OSCARKV_PDL``."""
-        self.pdl = pdl_default() if pdl is None else bool(pdl)
+    def set_pdl(self, pdl: bool) -> None:
+        """Programmatic dependent launch of the decode step's kernels (set before a CUDA graph is captured)."""
+        if not isinstance(pdl, bool):
+            raise ValueError(f"pdl must be true or false, got {pdl!r}")
+        self.pdl = pdl
 
     def _use_gemv(self, x: Tensor) -> bool:
         if self.gemv == "cublas" or not ops.uses_kernels(x):
@@ -389,4 +376,4 @@ def config_dict(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["ModelConfig", "Transformer", "PRESETS", "from_hf", "from_folder", "from_state_dict", "random_model",
-           "fold_value_rotation", "pdl_default", "PDL_ENV"]
+           "fold_value_rotation"]

@@ -1,7 +1,7 @@
 """``OscarCache``: a transformers ``Cache`` with one :class:`OscarLayer` per full-attention layer.
 
-Each OscarLayer owns a :class:`~oscarkv.cache.LayerStore` (16-bit sink + recent window, quantized pages in
-between). ``update`` does not store anything yet: it parks the chunk's new K/V, hands itself to the ``"oscar"``
+Each OscarLayer owns a one-layer, growable :class:`~oscarkv.cache.PagedStore` (16-bit sink + recent window,
+quantized pages in between, one slot per sequence of the batch). ``update`` does not store anything yet: it parks the chunk's new K/V, hands itself to the ``"oscar"``
 attention function through the forward's keyword arguments, and returns *sealed* tensors that raise if any
 other attention function touches them. The attention function attends to the stored prefix as stored and to the
 chunk in full precision, then commits the chunk (``extend_attention_ref`` semantics; decode is a chunk of one).
@@ -22,7 +22,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("oscarkv.hf needs transformers: pip install 'oscar-kv[hf]'") from e
 
-from ..cache import Bytes, LayerStore, TokenPool, build_store, chunk_attention
+from ..cache import Bytes, PagedStore, chunk_attention, growable_store
 from .prepare import ATTN_NAME, PLAN_ATTR, Applied, LayerPlan
 
 
@@ -52,7 +52,7 @@ class OscarLayer(CacheLayerMixin):
     def __init__(self, plan: LayerPlan, window_dtype: torch.dtype, kernel_backend: str | None = None):
         super().__init__()
         self.plan, self.window_dtype, self.kernel_backend = plan, window_dtype, kernel_backend
-        self.store: LayerStore | None = None
+        self.store: PagedStore | None = None
         self.timeline = 0  # positions seen, padding included (what masks and position ids count)
         self._pending: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
@@ -64,7 +64,7 @@ class OscarLayer(CacheLayerMixin):
             raise ValueError(f"layer {p.layer}: keys have {H} heads of dim {d}, the cache was built for "
                              f"{p.num_kv_heads} heads of dim {p.head_dim} (a cache of another model?)")
         self.device = key_states.device
-        self.store = build_store(p.recipe, p.layer, B, H, d, self.window_dtype, key_states.device)
+        self.store = growable_store(p.recipe, [p.layer], B, H, d, self.window_dtype, key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -80,8 +80,8 @@ class OscarLayer(CacheLayerMixin):
                                f"model is not running the {ATTN_NAME!r} attention function")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.store.B:
-            raise ValueError(f"this OscarCache holds {self.store.B} sequences, the input has "
+        if key_states.shape[0] != self.store.num_slots:
+            raise ValueError(f"this OscarCache holds {self.store.num_slots} sequences, the input has "
                              f"{key_states.shape[0]}; build a new cache with handle.cache()")
         sk, sv = _seal(key_states), _seal(value_states)
         self._pending = (key_states, value_states, sk, sv)
@@ -154,38 +154,39 @@ class OscarLayer(CacheLayerMixin):
             out = torch.empty(B, plan.num_kv_heads, plan.groups, T, d, dtype=torch.float32, device=query.device)
             for b in range(B):
                 sm = None if self_masks is None else self_masks[b]
-                out[b] = chunk_attention(q[b], partial(self.store.prefix, b), k[b], v[b], sm, scaling, softcap)
+                out[b] = chunk_attention(q[b], partial(self.store.prefix, 0, b), k[b], v[b], sm, scaling, softcap)
             res = out.reshape(B, Hq, T, d).transpose(1, 2)
+        st = self.store
         for b in range(B):
             keep = slice(None) if valid is None else valid[b]
-            self.store.append(b, k[b][:, keep], v[b][:, keep])
+            kb, vb = k[b][:, keep].transpose(0, 1), v[b][:, keep].transpose(0, 1)
+            st.reserve(b, st.lens[b] + kb.shape[0])
+            st.write(0, b, kb, vb)
+            st.commit(b, kb.shape[0])
         self.timeline += T
         self._pending = None
         return res.to(query.dtype)
 
     def _kernels_apply(self, query: Tensor, valid: Tensor | None, softcap: float | None) -> bool:
-        """Use ``oscarkv.kernels.dispatch.extend_attention``: on CUDA (or when a backend is forced), for
-        paged pools of one geometry (keys in token or channel pages), no soft-capping and a chunk without
-        padding (the dispatcher itself falls back to the reference for formats its kernels do not handle)."""
-        st = self.store
+        """Use ``oscarkv.kernels.dispatch.extend_attention``: on CUDA (or when a backend is forced), for a quantized
+        layer, no soft-capping and a chunk without padding."""
         if self.kernel_backend is None and not query.is_cuda:
             return False
-        return (isinstance(st.k_pool, TokenPool) and isinstance(st.v_pool, TokenPool)
-                and st.k_pool.fmt.same_geometry(st.v_pool.fmt) and softcap is None
-                and (valid is None or bool(valid.all())) and st.k_pool._owned == st.v_pool._owned)
+        return self.store.k_pages[0] is not None and softcap is None and (valid is None or bool(valid.all()))
 
     def _attend_kernels(self, q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
         """The kernels' extend op over this layer's pools: q ``[B, Hkv, g, T, d]`` -> ``[B, T, Hq, d]``."""
         from ..kernels import dispatch
 
         B, H, g, T, d = q.shape
-        st, kp = self.store, self.store.k_pool
+        st = self.store
         # the kernel wants k_new/v_new with identical strides: clone to canonical strides (contiguous() keeps
         # a size-1 token dimension's stride as it is, so a decode step's k and v could still differ)
         kn, vn = (x.transpose(1, 2).clone(memory_format=torch.contiguous_format) for x in (k, v))
+        qlen, len16 = st.lengths(range(B))
         return dispatch.extend_attention(
-            q.reshape(B, H * g, T, d).transpose(1, 2), kn, vn, kp.pages,
-            st.v_pool.pages, kp.block_table, kp.qlen, st.k16, st.v16, st.len16, scaling,
+            q.reshape(B, H * g, T, d).transpose(1, 2), kn, vn, st.k_pages[0], st.v_pages[0], st.block_table[:B],
+            qlen, st.buf[0, 0, :B], st.buf[1, 0, :B], len16, scaling,
             backend=self.kernel_backend or "auto").float()
 
     def _chunk_masks(self, mask: Tensor | None, B: int, T: int, device) -> tuple[Tensor | None, Tensor | None]:
@@ -202,7 +203,7 @@ class OscarLayer(CacheLayerMixin):
         self_masks = allowed[:, :, self.timeline:]
         valid = self_masks[:, -1, :]
         for b in range(B):
-            n = self.store.n[b]
+            n = self.store.lens[b]
             seen = allowed[b, -1, : self.timeline]
             expect_prefix = torch.arange(self.timeline, device=device) >= self.timeline - n
             row = valid[b].to(torch.int8)

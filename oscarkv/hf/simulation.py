@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from ..cache.attention import scores
-from ..cache.build import build_store, policy_for
+from ..cache.build import geometry_for, policy_for
+from ..cache.paged import quantize_roundtrip
 from ..cache.tiers import TierPolicy
 from .prepare import LayerPlan
 
@@ -57,11 +58,16 @@ def simulate_attention(plan: LayerPlan, query: Tensor, key: Tensor, value: Tenso
     starts = chunk_starts(N, plan.prompt_len, plan.chunk, query.device)
     S = policy.sink
     qmax = policy.quantized(int(starts[-1])) if N else 0
-    pools = build_store(plan.recipe, plan.layer, 1, H, d, dt16, query.device) if qmax else None
+    fmt = plan.lr.format
+    pages = geometry_for(plan.recipe, H, d).page_formats(fmt) if qmax else None
+
+    def roundtrip(x: Tensor, which: int) -> Tensor:  # [H, n, d] through the store's quantized pages
+        return quantize_roundtrip(pages[which], fmt[which].clip, x.transpose(0, 1)).transpose(0, 1)
+
     out = torch.empty(B, H, g, N, d, dtype=torch.float32, device=query.device)
     for b in range(B):
-        kq = pools.k_pool.roundtrip(k16[b, :, S: S + qmax]) if qmax else k16[b, :, :0]
-        vq = pools.v_pool.roundtrip(v16[b, :, S: S + qmax]) if qmax else v16[b, :, :0]
+        kq = roundtrip(k16[b, :, S: S + qmax], 0) if qmax else k16[b, :, :0]
+        vq = roundtrip(v16[b, :, S: S + qmax], 1) if qmax else v16[b, :, :0]
         for i0 in range(0, N, BLOCK):
             i1 = min(N, i0 + BLOCK)
             out[b, :, :, i0:i1] = _block(q[b, :, :, i0:i1], i0, starts[i0:i1], policy, (k16[b], v16[b]),

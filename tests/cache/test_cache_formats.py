@@ -1,4 +1,4 @@
-"""Per-layer formats in the cache (oscar-auto): each layer of a mixed-format store holds exactly what a store of
+"""Per-layer formats in the store (oscar-auto): each layer of a mixed-format store holds exactly what a store of
 that single format holds; channel pages follow ``quantize_per_channel`` on each page."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 
 from oscarkv import methods
 from oscarkv.artifact import ArtifactError, Calibration, ModelIdentity
-from oscarkv.cache import TokenPool, build_store
-from oscarkv.formats import FormatError, LayerFormat, TensorFormat
+from oscarkv.cache import growable_store
 from oscarkv.config import QuantSpec
+from oscarkv.formats import FormatError, LayerFormat, TensorFormat
 from oscarkv.quant import dequantize_per_channel, quantize_per_channel
 
 D, H = 64, 2
@@ -40,7 +40,10 @@ def _calib(formats=None) -> Calibration:
 def _fill(store, rows_k, rows_v, steps=(5, 1, 17, 3, 30, 1, 1, 20)):
     t = 0
     for m in steps:
-        store.append(0, rows_k[:, t: t + m], rows_v[:, t: t + m])
+        store.reserve(0, t + m)
+        for layer in range(store.L):
+            store.write(layer, 0, rows_k[t: t + m], rows_v[t: t + m])
+        store.commit(0, m)
         t += m
     return store
 
@@ -51,39 +54,36 @@ def test_mixed_store_equals_single_format_store(layer):
     single = methods.resolve("oscar-auto", _calib([MIXED[layer]] * 3))
     assert mixed.formats[layer] == single.formats[(layer + 1) % 3] == LayerFormat.from_entry(MIXED[layer])
     torch.manual_seed(layer)
-    k, v = torch.randn(H, 78, D) * 3, torch.randn(H, 78, D)
-    a = _fill(build_store(mixed, layer, 1, H, D, torch.float32, "cpu"), k, v)
-    b = _fill(build_store(single, (layer + 1) % 3, 1, H, D, torch.float32, "cpu"), k, v)
-    ta, tb = a.tiers(0), b.tiers(0)
+    k, v = torch.randn(78, H, D) * 3, torch.randn(78, H, D)
+    a = _fill(growable_store(mixed, [0, 1, 2], 1, H, D, torch.float32, "cpu"), k, v)
+    b = _fill(growable_store(single, [0], 1, H, D, torch.float32, "cpu"), k, v)
+    ta, tb = a.tiers(layer, 0), b.tiers(0, 0)
     assert ta["k_quantized"].shape[1] == 64  # 78 - 4 sink - 10 recent -> 4 pages of 16
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
-    assert a.nbytes().used_quantized == b.nbytes().used_quantized
 
 
 def test_layer_pools_follow_formats():
     r = methods.resolve("oscar-auto", _calib(MIXED))
-    s0, s1, s2 = (build_store(r, i, 1, H, D, torch.bfloat16, "cpu") for i in range(3))
-    k0 = s0.k_pool.fmt
-    assert isinstance(s0.k_pool, TokenPool) and k0.channel and k0.page_size == 16 and k0.bits == 2
-    assert isinstance(s0.v_pool, TokenPool) and not s0.v_pool.fmt.channel and s0.v_pool.fmt.bits == 4
-    assert s1.k_pool.clip == 0.94 and s1.v_pool.clip == 0.9 and not s1.k_pool.fmt.channel
-    assert s2.k_pool.fmt.channel and s2.k_pool.fmt.bits == 4 and s2.v_pool.fmt.bits == 2
-    kivi = build_store(methods.resolve("kivi-2", _calib(MIXED)), 0, 1, H, D, torch.bfloat16, "cpu")
-    assert kivi.k_pool.fmt.channel and kivi.k_pool.fmt.page_size == 32  # KIVI's 32-token groups: channel pages
+    st = growable_store(r, [0, 1, 2], 1, H, D, torch.bfloat16, "cpu")
+    k0, v0 = st.k_pages[0].fmt, st.v_pages[0].fmt
+    assert k0.channel and k0.page_size == 16 and k0.bits == 2 and not v0.channel and v0.bits == 4
+    assert st.formats[1].k.clip == 0.94 and not st.k_pages[1].fmt.channel
+    assert st.k_pages[2].fmt.channel and st.k_pages[2].fmt.bits == 4 and st.v_pages[2].fmt.bits == 2
+    kivi = growable_store(methods.resolve("kivi-2", _calib(MIXED)), [0], 1, H, D, torch.bfloat16, "cpu")
+    assert kivi.k_pages[0].fmt.channel and kivi.page_size == 32  # KIVI's 32-token key groups: channel pages
 
 
 def test_channel_pages_equal_per_channel_quantizer_on_each_page():
     r = methods.resolve("oscar-auto", _calib(MIXED))
-    store = build_store(r, 0, 1, H, D, torch.float32, "cpu")
+    store = growable_store(r, [0], 1, H, D, torch.float32, "cpu")
     torch.manual_seed(3)
-    k, v = torch.randn(H, 60, D) * 2 + 1, torch.randn(H, 60, D)
+    k, v = torch.randn(60, H, D) * 2 + 1, torch.randn(60, H, D)
     _fill(store, k, v, steps=(60,))
-    got = store.tiers(0)["k_quantized"]  # tokens 4..51: 3 pages of 16
+    got = store.tiers(0, 0)["k_quantized"]  # tokens 4..51: 3 pages of 16
     assert got.shape[1] == 48
-    torch.testing.assert_close(store.k_pool.roundtrip(k[:, 4:52]), got, atol=0, rtol=0)
     for p in range(3):
-        page = k[:, 4 + 16 * p: 4 + 16 * (p + 1)]  # rows arrive centered and rotated (here: as given)
+        page = k[4 + 16 * p: 4 + 16 * (p + 1)].transpose(0, 1)  # rows arrive centered and rotated (here: as given)
         want = dequantize_per_channel(quantize_per_channel(page, bits=2, group_size=16))
         assert torch.equal(got[:, 16 * p: 16 * (p + 1)], want)
 

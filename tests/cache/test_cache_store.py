@@ -1,101 +1,146 @@
-"""Framework-free store: pools round-trip the reference quantizer bit for bit; tiers; physical bytes."""
+"""The paged store: tiers follow the policy whatever the chunking; quantized rows equal the reference quantizer bit
+for bit; decode writes plus commit_decode equal chunk writes; bytes; slots; fixed sizing from a budget."""
 
 import pytest
 import torch
 
-from oscarkv.cache import LayerStore, TierPolicy, TokenPool, chunk_attention
+from oscarkv.cache import PagedStore, PageGeometry, TierPolicy, chunk_attention
+from oscarkv.formats import FormatError, LayerFormat, TensorFormat
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.quant import dequantize, dequantize_per_channel, quantize, quantize_per_channel
 
 H, D = 2, 16
+TOKEN2 = LayerFormat(TensorFormat("token", 2, "none", 0.9), TensorFormat("token", 2, "none", 0.0))
+POLICY = TierPolicy(sink=4, window=8, unit=4)
 
 
 def _rows(n, seed=0):
-    return torch.randn(H, n, D, generator=torch.Generator().manual_seed(seed)) * 3
+    return torch.randn(n, H, D, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-@pytest.mark.parametrize("bits,group", [(2, None), (2, 8), (4, None)])
-def test_token_pool_roundtrip_and_ranges(bits, group):
-    fmt = PageFormat(H, D, page_size=4, bits=bits, group_size=group)
-    pool = TokenPool(fmt, clip=0.9, batch_size=3, device="cpu")
-    x = _rows(23)
-    for a, b in [(0, 5), (5, 6), (6, 23)]:  # uneven appends, partial pages
-        pool.write(1, x[:, a:b])
-    want = dequantize(quantize(x, bits=bits, group_size=group, clip_ratio=0.9))
-    assert torch.equal(pool.read(1, 0, 23), want)
-    assert torch.equal(pool.read(1, 7, 13), want[:, 7:13])
-    assert torch.equal(pool.roundtrip(x), want)
-    assert pool.qlen.tolist() == [0, 23, 0] and pool.tokens() == 23
-    assert pool.used_bytes() == 23 * fmt.bytes_per_token
-    assert pool.allocated_bytes() >= pool.used_bytes()
-    with pytest.raises(IndexError):
-        pool.read(1, 0, 24)
+def _store(fmts=(TOKEN2,), slots=2, dtype=torch.float32, group=None, growable=True, num_pages=1):
+    return PagedStore(list(fmts), POLICY, PageGeometry(H, D, 4, group), num_slots=slots, num_pages=num_pages,
+                      max_pages=1, dtype16=dtype, device="cpu", growable=growable)
 
 
-def test_token_pool_sequences_share_pages():
-    fmt = PageFormat(H, D, page_size=4)
-    pool = TokenPool(fmt, clip=0.0, batch_size=2, device="cpu")
-    x, y = _rows(9, 1), _rows(6, 2)
-    pool.write(0, x[:, :3])
-    pool.write(1, y)
-    pool.write(0, x[:, 3:])
-    pages0, pages1 = pool._owned
-    assert not set(pages0) & set(pages1)
-    assert pool.block_table[0, :3].tolist() == pages0 and pool.block_table[1, :2].tolist() == pages1
-    assert torch.equal(pool.read(0, 0, 9), dequantize(quantize(x)))
-    assert torch.equal(pool.read(1, 0, 6), dequantize(quantize(y)))
-
-
-def test_channel_pages_match_kivi_quantizer():
-    pool = TokenPool(PageFormat(H, D, page_size=8, layout="channel"), 0.0, batch_size=1, device="cpu")
-    x = _rows(24, 3)
-    pool.write(0, x[:, :16])
-    pool.write(0, x[:, 16:])
-    want = torch.cat([dequantize_per_channel(quantize_per_channel(x[:, i: i + 8], group_size=8))
-                      for i in range(0, 24, 8)], 1)
-    assert torch.equal(pool.read(0, 0, 24), want)
-    assert torch.equal(pool.read(0, 5, 19), want[:, 5:19])
-    assert torch.equal(pool.roundtrip(x), want)
-    assert pool.used_bytes() == 3 * H * D * (2 + 2 * 2)
-    with pytest.raises(ValueError, match="written whole"):
-        pool.write(0, x[:, :5])
-
-
-def _store(policy, B=2, dtype=torch.float32):
-    fmt = PageFormat(H, D, page_size=4)
-    return LayerStore(policy, B, H, D, dtype, "cpu", TokenPool(fmt, 0.0, B, "cpu"), TokenPool(fmt, 0.0, B, "cpu"))
+def _write(st, slot, k, v, chunks):
+    t = 0
+    for c in chunks:
+        st.reserve(slot, st.lens[slot] + c)
+        for layer in range(st.L):
+            st.write(layer, slot, k[t:t + c], v[t:t + c])
+        st.commit(slot, c)
+        t += c
 
 
 @pytest.mark.parametrize("chunks", [[30], [1] * 30, [3, 1, 7, 5, 14], [12, 1, 1, 16]])
-def test_store_tiers_independent_of_chunking(chunks):
-    pol = TierPolicy(sink=4, window=8, unit=4)
-    st = _store(pol)
+def test_tiers_independent_of_chunking(chunks):
+    st = _store()
     x = _rows(30, 4)
-    t = 0
-    for c in chunks:
-        st.append(0, x[:, t: t + c], -x[:, t: t + c])
-        t += c
-    s, q, r = pol.split(30)
-    tiers = st.tiers(0)
-    assert torch.equal(tiers["k_sink"], x[:, :s]) and torch.equal(tiers["k_recent"], x[:, s + q:])
-    assert torch.equal(tiers["v_quantized"], dequantize(quantize(-x[:, s: s + q])))
-    assert st.n == [30, 0] and st.len16.tolist() == [s + r, 0]
-    assert st.k16.shape[2] <= pol.max_16bit  # the 16-bit buffer stays bounded
+    _write(st, 1, x, -x, chunks)
+    s, q, r = POLICY.split(30)
+    t = st.tiers(0, 1)
+    xt = x.transpose(0, 1)
+    assert torch.equal(t["k_sink"], xt[:, :s]) and torch.equal(t["k_recent"], xt[:, s + q:])
+    assert torch.equal(t["k_quantized"], dequantize(quantize(xt[:, s:s + q], clip_ratio=0.9)))
+    assert torch.equal(t["v_quantized"], dequantize(quantize(-xt[:, s:s + q])))
+    assert st.lens[:2] == [0, 30] and st.qlens[1] == q and st.len16(1) == s + r
+    assert st.c16 <= POLICY.capacity16  # the 16-bit buffer stays bounded
 
 
-def test_store_bytes_used_vs_allocated():
-    pol = TierPolicy(sink=4, window=8, unit=4)
-    st = _store(pol, dtype=torch.bfloat16)
-    st.append(0, _rows(29), _rows(29))
-    st.append(1, _rows(5), _rows(5))
+@pytest.mark.parametrize("fmt", [TOKEN2, LayerFormat(TensorFormat("channel", 4, "none"), TensorFormat("token", 4)),
+                                 LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 2))])
+def test_decode_then_commit_equals_chunk_writes(fmt):
+    """A decode forward stores its token at decode_row; commit_decode demotes afterwards through the demote op:
+    the same tiers, bit for bit, as writing the tokens as chunks."""
+    x = _rows(29, 7)
+    a, b = _store([fmt]), _store([fmt])
+    _write(a, 0, x, x * 0.5, [29])
+    _write(b, 0, x[:9], x[:9] * 0.5, [9])
+    for t in range(9, 29):
+        b.reserve(0, b.lens[0] + 1)
+        row = b.decode_row(0)
+        b.buf[0, 0, 0, :, row] = x[t].to(b.dtype16)
+        b.buf[1, 0, 0, :, row] = (x[t] * 0.5).to(b.dtype16)
+        b.commit_decode([0])
+    ta, tb = a.tiers(0, 0), b.tiers(0, 0)
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+    assert a.qlens[0] == b.qlens[0] == 16 and a.lens[0] == b.lens[0] == 29
+
+
+def test_channel_pages_match_kivi_quantizer():
+    fmt = LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 2, "none"))
+    st = PagedStore([fmt], TierPolicy(0, 8, 8), PageGeometry(H, D, 8), num_slots=1, num_pages=1, max_pages=1,
+                    dtype16=torch.float32, device="cpu", growable=True)
+    x = _rows(40, 3)
+    _write(st, 0, x, x, [16, 1, 23])  # 40 tokens: 32 quantized (4 whole pages), 8 in the window
+    xt = x.transpose(0, 1)
+    want = torch.cat([dequantize_per_channel(quantize_per_channel(xt[:, i: i + 8], group_size=8))
+                      for i in range(0, 32, 8)], 1)
+    assert st.qlens[0] == 32 and torch.equal(st.read_quantized(0, 0, 0, 0, 32), want)
+    assert torch.equal(st.read_quantized(0, 0, 0, 5, 19), want[:, 5:19])
+    kf = st.k_pages[0].fmt
+    assert kf.channel and kf.bytes_per_token == H * (D * 2 // 8 * 8 + 2 * D * 2) / 8
+
+
+def test_formats_the_store_cannot_pack_are_refused():
+    channel = LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 2))
+    with pytest.raises(FormatError, match="written whole"):  # channel pages need page-wise demotion
+        PagedStore([channel], TierPolicy(0, 0, 1), PageGeometry(H, D, 4), num_slots=1, num_pages=2, max_pages=1,
+                   dtype16=torch.float32, device="cpu")
+    with pytest.raises(FormatError, match="pages of 6 tokens"):  # 4-bit codes pack 2 tokens a byte per channel
+        PageGeometry(H, D, 6).page_formats(LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat()))
+    with pytest.raises(FormatError, match="group"):
+        PageGeometry(H, D, 4, group_size=5).page_formats(TOKEN2)
+    with pytest.raises(ValueError, match="never demotes|demotes"):
+        PagedStore([TOKEN2], TierPolicy(0, 2**62, 1), PageGeometry(H, D, 4), num_slots=1, num_pages=2, max_pages=1,
+                   dtype16=torch.float32, device="cpu")
+
+
+def test_slots_share_pages_and_move():
+    st = _store(slots=3)
+    x, y = _rows(30, 1), _rows(21, 2)
+    _write(st, 0, x, x, [13, 17])
+    _write(st, 1, y, y, [21])
+    assert not set(st.table.pages[0]) & set(st.table.pages[1])
+    before = st.tiers(0, 1)
+    st.release(0)
+    st.move(1, 0)
+    assert st.lens[:2] == [21, 0] and st.qlens[:2] == [POLICY.quantized(21), 0]
+    after = st.tiers(0, 0)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert st.allocator.num_free == st.allocator.capacity - st.pages_for(21)
+
+
+def test_bytes_used_vs_allocated():
+    st = _store(dtype=torch.bfloat16)
+    _write(st, 0, _rows(29), _rows(29), [29])
+    _write(st, 1, _rows(5), _rows(5), [5])
     b = st.nbytes()
     fmt = PageFormat(H, D, page_size=4)
-    q0 = pol.quantized(29)
+    q0 = POLICY.quantized(29)
     assert b.tokens == 34 and b.quantized_tokens == q0
     assert b.used_16bit == 2 * (34 - q0) * H * D * 2
     assert b.used_quantized == 2 * q0 * fmt.bytes_per_token
     assert b.bf16_equivalent == 2 * 34 * H * D * 2 and b.elements == 2 * 34 * H * D
     assert b.allocated > b.used and b.unused == b.allocated - b.used
+    st32 = _store(dtype=torch.float32)  # float32 windows count 4 bytes an element, not 2
+    _write(st32, 0, _rows(29), _rows(29), [29])
+    assert st32.nbytes().used_16bit == 2 * (29 - q0) * H * D * 4
+
+
+def test_fixed_store_from_budget():
+    geo = PageGeometry(H, D, 4)
+    per_page = PagedStore.page_bytes([TOKEN2] * 3, geo)
+    assert per_page == 3 * 4 * 2 * PageFormat(H, D, 4).bytes_per_token
+    slot = PagedStore.slot_bytes(3, POLICY, geo, torch.bfloat16)
+    st = PagedStore.for_budget([TOKEN2] * 3, POLICY, geo, budget_bytes=5 * slot + 10 * per_page, num_slots=4,
+                               max_len=100, dtype16=torch.bfloat16, device="cpu")
+    assert st.allocator.num_pages == 10 and st.block_table.shape == (5, 25) and st.c16 == POLICY.capacity16
+    with pytest.raises(ValueError, match="raise kv_budget_gb"):
+        PagedStore.for_budget([TOKEN2], POLICY, geo, budget_bytes=slot, num_slots=4, max_len=100,
+                              dtype16=torch.bfloat16, device="cpu")
 
 
 def test_chunk_attention_merges_pieces_exactly():

@@ -6,7 +6,6 @@ import torch
 
 from oscarkv.config import QuantSpec
 from oscarkv.engine import LLM, SamplingParams
-from oscarkv.engine.kv import CacheConfig, OscarPool
 from oscarkv.kernels.layout import PageFormat
 
 from test_engine_oscar import make_calib  # noqa: E402  (pytest puts this folder on sys.path)
@@ -21,19 +20,16 @@ FORMATS = [
 SMALL = QuantSpec(sink=4, window=8, page_size=4, k_clip=0.9, v_clip=0.85)
 
 
-def test_cache_config_formats_and_bytes():
-    cfg = CacheConfig("oscar", page_size=4, sink=4, window=8, layer_formats=((2, 4, "channel"), (2, 2, "token")))
-    assert cfg.mixed
-    (k0, v0), (k1, v1) = cfg.page_formats(2, 2, 16)
+def test_store_page_bytes_follow_formats(make_hf):
+    from oscarkv.cache import PagedStore
+
+    hf = make_hf("qwen2")
+    calib = make_calib(hf, SMALL)
+    calib.layer_formats = FORMATS
+    st = LLM(hf, calib, kv="oscar", kv_budget_gb=0.01, max_num_seqs=2).store
+    (k0, v0), (k1, v1) = ((st.k_pages[i].fmt, st.v_pages[i].fmt) for i in range(2))
     assert (k0.layout, k0.bits, v0.bits, k1.layout) == ("channel", 2, 4, "token")
-    per_page = OscarPool.page_bytes(cfg, 2, 2, 16, torch.float32)
-    expect = 4 * sum(f.bytes_per_token for f in (k0, v0, k1, v1))
-    assert per_page == expect
-    assert not CacheConfig("oscar", layer_formats=((2, 2, "token"),) * 3).mixed
-    with pytest.raises(ValueError, match="layer_formats\\[0\\]"):
-        CacheConfig("oscar", layer_formats=((3, 2, "token"),))
-    with pytest.raises(ValueError, match="2-layer"):
-        CacheConfig("oscar", layer_formats=((2, 2, "token"),)).page_formats(2, 2, 16)
+    assert PagedStore.page_bytes(st.formats, st.geo) == 4 * sum(f.bytes_per_token for f in (k0, v0, k1, v1))
 
 
 def test_mixed_pool_stores_each_layer_in_its_format(make_hf):
@@ -41,18 +37,17 @@ def test_mixed_pool_stores_each_layer_in_its_format(make_hf):
     calib = make_calib(hf, SMALL)
     calib.layer_formats = FORMATS
     llm = LLM(hf, calib, kv="oscar", kv_budget_gb=0.01, max_num_seqs=2, window_dtype=torch.float32)
-    pool = llm.pool
-    assert pool.cfg.mixed and pool.codes is None
-    k0, v0 = pool.pages[0][0], pool.pages[1][0]
+    st = llm.store
+    k0, v0 = st.k_pages[0], st.v_pages[0]
     assert k0.fmt == PageFormat(2, 16, 4, 2, None, "float16", "channel") and v0.fmt.bits == 4
     assert k0.scale.shape[2:] == (1, 16) and v0.codes.shape[-1] == 16 * 4 // 8
     seq = llm.submit(torch.randint(0, 256, (23,)).tolist(), SamplingParams(max_tokens=30, ignore_eos=True))
     while len(seq.out) < 14:
         llm.step()
-    assert pool.qlens[seq.slot] == 24
-    page = torch.tensor(seq.pages[:1])
-    assert bool(k0.scale[page].abs().sum() > 0) and bool(pool.pages[1][1].scale[page].abs().sum() > 0)
-    assert pool.nbytes() == sum(t.numel() * t.element_size() for t in pool.tensors())
+    assert st.qlens[seq.slot] == 24
+    page = torch.tensor(st.table.pages[seq.slot][:1])
+    assert bool(k0.scale[page].abs().sum() > 0) and bool(st.v_pages[1].scale[page].abs().sum() > 0)
+    assert st.allocated_bytes() == sum(t.numel() * t.element_size() for t in (*st.tensors(), st.block_table))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -64,7 +59,7 @@ def test_greedy_equals_transformers_integration_with_layer_formats(make_hf, arch
     prompt = torch.randint(0, 256, (30,)).tolist()
     llm = LLM(hf, calib, kv="oscar", kv_budget_gb=0.01, max_num_seqs=2)  # method defaults to oscar-auto
     ours = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
-    assert llm.pool.cfg.mixed
+    assert len(set(llm.store.formats)) == 2
     with hf_mod.apply(hf, calib, "oscar-auto") as handle:
         out = hf.generate(torch.tensor([prompt]), cache=handle.cache(), max_new_tokens=20,
                           min_new_tokens=20, do_sample=False)

@@ -45,7 +45,8 @@ def test_gemv_matches_cublas_bf16(M):
 def test_fused_kv_write_is_bit_equal_bf16():
     from oscarkv.kernels import dense_triton
     from oscarkv.engine.attention import DecodeCtx
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
+    from oscarkv.cache import Paged16Store, PagedStore, PageGeometry, TierPolicy
+    from oscarkv.formats import LayerFormat, TensorFormat
 
     torch.manual_seed(0)
     N, hq, hkv, d, L = 4, 32, 8, 128, 2
@@ -55,14 +56,14 @@ def test_fused_kv_write_is_bit_equal_bf16():
     nw = (torch.rand(d, device=DEV) + 0.5).bfloat16()
     rk = torch.linalg.qr(torch.randn(hkv, d, d, device=DEV))[0]
     mu = torch.randn(hkv, d, device=DEV)
-    calib = dict(r_k=rk[None].expand(L, -1, -1, -1), mu_k=mu[None].expand(L, -1, -1), k_clip=torch.ones(L),
-                 v_clip=torch.ones(L))
-    pools = [Bf16Pool(CacheConfig("bf16"), L, hkv, d, 8, 4, 512, torch.bfloat16, DEV),
-             OscarPool(CacheConfig("oscar"), L, hkv, d, 8, 4, 512, torch.bfloat16, DEV, **calib)]
+    fmt = LayerFormat(TensorFormat(), TensorFormat())
+    pools = [Paged16Store(L, hkv, d, 64, num_slots=4, num_pages=8, max_pages=8, dtype=torch.bfloat16, device=DEV),
+             PagedStore([fmt] * L, TierPolicy(64, 256, 64), PageGeometry(hkv, d, 64), num_slots=4, num_pages=8,
+                        max_pages=8, dtype16=torch.bfloat16, device=DEV)]
     for pool in pools:
-        bf16 = isinstance(pool, Bf16Pool)
+        bf16 = isinstance(pool, Paged16Store)
         ctx = DecodeCtx(pool, N, d ** -0.5)
-        widx = [64 + 5, 3 * 64 + 63, 7 * 64, 0] if bf16 else [17, 0, 300, pool.cfg.c16]
+        widx = [64 + 5, 3 * 64 + 63, 7 * 64, 0] if bf16 else [17, 0, 300, pool.c16]
         ctx.fill([1] * N, [5, 9, 100, 0], widx, [1] * N, [0] * N)
         rot = (None, None) if bf16 else (rk, mu)
         store = pool.kv if bf16 else pool.buf

@@ -22,7 +22,7 @@ def test_greedy_matches_transformers_batched(arch, make_hf):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 10)
         assert o.finish_reason == "length"
-    assert llm.pool.alloc.num_free == llm.pool.alloc.capacity
+    assert llm.store.allocator.num_free == llm.store.allocator.capacity
 
 
 def test_prefill_logits_match_transformers(make_hf):
@@ -31,9 +31,8 @@ def test_prefill_logits_match_transformers(make_hf):
     tokens = torch.randint(0, 256, (40,))
     from oscarkv.engine.attention import PrefillCtx
 
-    seq_pages = llm.pool.alloc.allocate(1)
-    llm.pool.set_pages(0, 0, seq_pages)
-    ctx = PrefillCtx(llm.pool, 0, 0, 40, 16 ** -0.5, [])
+    llm.store.table.add_pages(0, llm.store.allocator.allocate(1))
+    ctx = PrefillCtx(llm.store, 0, 0, 40, 16 ** -0.5)
     with torch.no_grad():
         ours = llm.model(tokens, torch.arange(40), ctx)
         theirs = hf(tokens[None]).logits[0]

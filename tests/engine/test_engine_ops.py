@@ -27,7 +27,8 @@ def dense_kernels_on_cpu(monkeypatch):
 
 def test_fused_kv_write_equals_reference_write_in_interpreter():
     from oscarkv.engine.attention import DecodeCtx
-    from oscarkv.engine.kv import Bf16Pool, CacheConfig, OscarPool
+    from oscarkv.cache import Paged16Store, PagedStore, PageGeometry, TierPolicy
+    from oscarkv.formats import LayerFormat, TensorFormat
     from oscarkv.kernels import dense_triton
 
     N, hq, hkv, d, L, P = 3, 4, 2, 16, 2, 8
@@ -36,16 +37,15 @@ def test_fused_kv_write_equals_reference_write_in_interpreter():
     cos, sin = ang.cos(), ang.sin()
     qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
     rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]; mu = torch.randn(hkv, d)
-    calib = {"r_k": rk[None].expand(L, -1, -1, -1), "mu_k": mu[None].expand(L, -1, -1), "k_clip": torch.ones(L),
-                 "v_clip": torch.ones(L)}
-    pools = [Bf16Pool(CacheConfig("bf16", page_size=P), L, hkv, d, 6, 4, 64, torch.float32, "cpu")]
-    pools += [OscarPool(CacheConfig("oscar", page_size=4, sink=4, window=8), L, hkv, d, 6, 4, 64, wdt, "cpu", **calib)
-              for wdt in (torch.float32, torch.bfloat16)]
+    fmt = LayerFormat(TensorFormat(), TensorFormat())
+    pools = [Paged16Store(L, hkv, d, P, num_slots=4, num_pages=6, max_pages=8, dtype=torch.float32, device="cpu")]
+    pools += [PagedStore([fmt] * L, TierPolicy(4, 8, 4), PageGeometry(hkv, d, 4), num_slots=4, num_pages=6,
+                         max_pages=16, dtype16=wdt, device="cpu") for wdt in (torch.float32, torch.bfloat16)]
     for pool in pools:
         ctx = DecodeCtx(pool, N, d ** -0.5)
-        bf16 = isinstance(pool, Bf16Pool)
+        bf16 = isinstance(pool, Paged16Store)
         # two live rows and one padded row (page 0 / the scratch column)
-        ctx.fill([1, 2, 3], [7, 9, 0], [2 * P + 3, 5 * P + 7, 0] if bf16 else [5, 0, pool.cfg.c16], [1, 1, 0], [0] * 3)
+        ctx.fill([1, 2, 3], [7, 9, 0], [2 * P + 3, 5 * P + 7, 0] if bf16 else [5, 0, pool.c16], [1, 1, 0], [0] * 3)
         rot = (None, None) if bf16 else (rk, mu)
         store = pool.kv if bf16 else pool.buf
         for layer in range(L):
@@ -103,4 +103,4 @@ def test_decode_path_greedy_in_interpreter(dense_kernels_on_cpu, monkeypatch):
     osc = LLM(hf, calib, kv="oscar", window_dtype=torch.float32, gemv="triton", **kw)
     got = [o.token_ids for o in osc.generate(prompts, params)]
     assert got == base, (got, base)
-    assert osc.pool.alloc.num_free == osc.pool.alloc.capacity
+    assert osc.store.allocator.num_free == osc.store.allocator.capacity

@@ -6,7 +6,6 @@ import torch
 from oscarkv.artifact import Calibration, ModelIdentity
 from oscarkv.config import QuantSpec
 from oscarkv.engine import LLM, SamplingParams
-from oscarkv.engine.kv import CacheConfig, quantized_len
 from oscarkv.quant import quantize
 from oscarkv.rotation import random_orthogonal
 
@@ -26,13 +25,15 @@ def make_calib(hf, spec: QuantSpec, seed: int = 0) -> Calibration:
 SMALL = QuantSpec(sink=4, window=8, page_size=4, k_clip=0.9, v_clip=0.85)
 
 
-def test_tier_rule_matches_cache_policy():
-    tiers = pytest.importorskip("oscarkv.cache.tiers")
-    pol = tiers.TierPolicy(sink=4, window=8, unit=4)
-    cfg = CacheConfig("oscar", page_size=4, sink=4, window=8)
-    for n in range(60):
-        assert quantized_len(n, 4, 8, 4) == pol.quantized(n) == cfg.qlen(n)
-    assert cfg.c16 == pol.max_16bit + 1  # one more: a step's token is held before the step's demotion
+def test_engine_store_follows_the_calibration_tiers(make_hf):
+    from oscarkv.cache import TierPolicy
+
+    hf = make_hf("llama")
+    llm = LLM(hf, make_calib(hf, SMALL), kv="oscar", kv_budget_gb=0.01, max_num_seqs=2)
+    st = llm.store
+    assert st.policy == TierPolicy(sink=4, window=8, unit=4) and st.page_size == 4
+    assert st.c16 == st.policy.max_16bit + 1  # one more: a step's token is held before the step's demotion
+    assert llm.recipe.formats == tuple(llm.recipe.layers[i].format for i in range(2)) == st.formats
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])
@@ -45,7 +46,7 @@ def test_folding_and_rotation_are_exact_without_demotion(make_hf, granularity):
     osc = LLM(hf, calib, kv="oscar", kv_budget_gb=0.05, max_num_seqs=2, window_dtype=torch.float32)
     out = osc.generate(prompts, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    assert osc.pool.alloc.num_free == osc.pool.alloc.capacity
+    assert osc.store.allocator.num_free == osc.store.allocator.capacity
 
 
 def _layer0_rows(hf, calib, tokens):
@@ -74,19 +75,20 @@ def test_stored_pages_equal_reference_quantization(make_hf):
     seq = llm.submit(torch.randint(0, 256, (23,)).tolist(), SamplingParams(max_tokens=100, ignore_eos=True))
     while len(seq.out) < 14:
         llm.step()
-    pool, n = llm.pool, seq.n_cached
-    assert n == 23 + 13 and pool.qlens[seq.slot] == quantized_len(n, 4, 8, 4) == 24
+    st, n = llm.store, seq.n_cached
+    assert n == 23 + 13 and st.qlens[seq.slot] == st.policy.quantized(n) == 24
     k, v = _layer0_rows(hf, calib, seq.tokens[:n])
     for which, (x, clip) in enumerate(((k, 0.9), (v, 0.85))):
         rows = x[4:4 + 24].float()  # the 2-bit tier: tokens [S, S + q)
         q = quantize(rows, clip_ratio=clip)
-        pages = torch.tensor(seq.pages[:6])
-        codes = pool.codes[which, 0, pages].transpose(1, 2).reshape(24, *q.packed.shape[1:])
-        scale = pool.scale[which, 0, pages].transpose(1, 2).reshape(24, *q.scale.shape[1:])
+        pages = torch.tensor(st.table.pages[seq.slot][:6])
+        pool = (st.k_pages, st.v_pages)[which][0]
+        codes = pool.codes[pages].transpose(1, 2).reshape(24, *q.packed.shape[1:])
+        scale = pool.scale[pages].transpose(1, 2).reshape(24, *q.scale.shape[1:])
         assert (codes == q.packed).float().mean() > 0.99  # float-order differences may flip a rare code
         torch.testing.assert_close(scale, q.scale, rtol=2e-3, atol=1e-4)
     # 16-bit tiers: sink then the recent window in order
-    buf = pool.buf[0, 0, seq.slot]
+    buf = st.buf[0, 0, seq.slot]
     torch.testing.assert_close(buf[:, :4].transpose(0, 1).double(), k[:4], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(buf[:, 4:4 + n - 28].transpose(0, 1).double(), k[28:n], atol=1e-4, rtol=1e-4)
 

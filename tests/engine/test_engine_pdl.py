@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) of the decode step's kernels (``LLM(pdl=True)``, ``$OSCARKV_PDL``).
+"""Programmatic dependent launch (PDL) of the decode step's kernels (``LLM(pdl=True)``, ``EngineConfig.pdl``).
 
 CPU: the switch is a no-op there (same tokens and logits as ``pdl=False``), and, with availability forced under
 the interpreter, every kernel of a decode step (and only those) is launched that way, the OSCAR decode attention
@@ -54,22 +54,18 @@ def test_pdl_is_a_noop_on_cpu(make_hf, kv):
         assert torch.equal(a, b)
 
 
-def test_pdl_env_default(monkeypatch):
-    from oscarkv.engine.model import PDL_ENV, PRESETS, Transformer, pdl_default
+def test_pdl_is_a_config_field():
+    from oscarkv.engine import EngineConfig
+    from oscarkv.engine.model import PRESETS, Transformer
 
-    for val, want in (("1", True), ("0", False), ("", True), ("on", True), ("off", False)):
-        monkeypatch.setenv(PDL_ENV, val)
-        assert pdl_default() is want
-        with torch.device("meta"):
-            m = Transformer(PRESETS["tiny-llama"])
-        assert m.pdl is want
-        m.set_pdl(not want)  # an explicit value wins over the environment
-        assert m.pdl is (not want)
-    monkeypatch.delenv(PDL_ENV)
-    assert pdl_default() is True  # on unless switched off
-    monkeypatch.setenv(PDL_ENV, "maybe")
-    with pytest.raises(ValueError):
-        pdl_default()
+    assert EngineConfig().pdl is True and EngineConfig(pdl=False).pdl is False
+    with pytest.raises(ValueError, match="pdl must be true or false"):
+        EngineConfig(pdl="maybe")
+    with torch.device("meta"):
+        m = Transformer(PRESETS["tiny-llama"])
+    assert m.pdl is True  # on by default; no environment variable changes it
+    m.set_pdl(False)
+    assert m.pdl is False
 
 
 

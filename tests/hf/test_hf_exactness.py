@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import oscarkv.hf as ohf
+from oscarkv.kernels.layout import QuantPages
 from oscarkv.kernels.reference import extend_attention_ref, gather_dequant_ref
 
 from hf_helpers import VOCAB, decode_logits, identity_calibration, random_calibration, spec, tiny_model
@@ -67,7 +68,7 @@ def test_quantized_attention_equals_float_attention_over_dequantized(method):
         st = lay.store
         assert st.nbytes().quantized_tokens > 0
         # independent reference: dequantize the tiers, attend in float64 with hand-rotated q / k
-        stored = [st.tiers(b) for b in range(2)]
+        stored = [st.tiers(0, b) for b in range(2)]
         T = 3
         out, q, k, v, _ = _attend_one_chunk(model, 1, cache, T)
     lr = h.recipe.layers[1]
@@ -99,19 +100,20 @@ def test_store_layout_matches_kernel_reference():
         cache = h.cache()
         decode_logits(model, ids, cache, prompt_len=13, chunk=5)
         st = cache.layers[0].store
-        kp, vp = st.k_pool, st.v_pool
+        kp, vp = st.k_pages[0], st.v_pages[0]
         for b in range(2):
-            nq = st.policy.split(st.n[b])[1]
-            assert int(kp.qlen[b]) == nq
-            torch.testing.assert_close(gather_dequant_ref(kp.pages, kp.block_table, b, nq), st.tiers(b)["k_quantized"])
-        k16, v16, len16 = st.k16.clone(), st.v16.clone(), st.len16.clone()
-        table, qlen = kp.block_table.clone(), kp.qlen.clone()
-        assert torch.equal(table, vp.block_table) and torch.equal(qlen, vp.qlen)
+            nq = st.policy.split(st.lens[b])[1]
+            assert st.qlens[b] == nq
+            torch.testing.assert_close(gather_dequant_ref(kp, st.block_table, b, nq), st.tiers(0, b)["k_quantized"])
+        qlen, len16 = st.lengths(range(2))
+        k16, v16 = st.buf[0, 0, :2].clone(), st.buf[1, 0, :2].clone()
+        table = st.block_table[:2].clone()
+        kp, vp = (QuantPages(p.codes.clone(), p.scale.clone(), p.offset.clone(), p.fmt) for p in (kp, vp))
         out, q, k, v, layer = _attend_one_chunk(model, 0, cache, T=4, seed=5)
     plan = layer.plan
     ref = extend_attention_ref(
         plan.rotate_queries(q).reshape(2, 4, 4, 16).transpose(1, 2), plan.rotate_keys(k).transpose(1, 2),
-        v.transpose(1, 2), kp.pages, vp.pages, table, qlen, k16, v16, len16, dtype=torch.float64)
+        v.transpose(1, 2), kp, vp, table, qlen, k16, v16, len16, dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

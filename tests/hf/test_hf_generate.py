@@ -42,7 +42,7 @@ def test_left_padded_batch_equals_single_prompts():
         cache = h.cache()
         batch = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=20, do_sample=False)
         layer = cache.layers[0]
-        assert layer.store.n == [len(p) + 20 - 1 for p in prompts]  # padding never stored; last token not fed
+        assert layer.store.lens[:len(prompts)] == [len(p) + 20 - 1 for p in prompts]  # padding never stored; last token not fed
         singles = [model.generate(input_ids=p[None], cache=h.cache(), max_new_tokens=20, do_sample=False)
                    for p in prompts]
     for b, s in enumerate(singles):
@@ -102,4 +102,4 @@ def test_generate_with_chunked_prefill():
         cache = h.cache()
         model.generate(input_ids=ids.repeat(2, 1), attention_mask=mask, cache=cache, max_new_tokens=4,
                        do_sample=False, prefill_chunk_size=5)
-        assert cache.layers[0].store.n == [26, 17]
+        assert cache.layers[0].store.lens[:2] == [26, 17]

@@ -45,9 +45,9 @@ def _check(cache, layer_idx, rec, n, dtype16, clips):
     exp = _expected(layer.plan, rec, n, dtype16, clips)
     s, q, r = TierPolicy(S, W, P).split(n)
     for b in range(2):
-        got = layer.store.tiers(b)
-        assert layer.store.n[b] == n and int(layer.store.len16[b]) == s + r
-        assert int(layer.store.k_pool.qlen[b]) == q
+        got = layer.store.tiers(0, b)
+        assert layer.store.lens[b] == n and layer.store.len16(b) == s + r
+        assert layer.store.qlens[b] == q
         for name, want in exp.items():
             torch.testing.assert_close(got[name], want[b], atol=0, rtol=0, msg=f"{name} at n={n}")
 
