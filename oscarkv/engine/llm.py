@@ -140,6 +140,8 @@ class LLM:
 
     def __init__(self, model: Any, calibration: Calibration | str | Path | None = None,
                  config: EngineConfig | Mapping[str, Any] | None = None, *, tokenizer: Any = None, **options: Any):
+        if isinstance(calibration, (EngineConfig, Mapping)):
+            raise ValueError("the second argument of LLM is the calibration; pass the engine options as config=...")
         if config is None or isinstance(config, Mapping):
             config = EngineConfig.from_dict({**(config or {}), **options})
         elif options:
@@ -203,6 +205,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer: pass tokenizer=... or give token ids")
             return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def decode(self, ids: list[int]) -> str | None:
@@ -229,8 +233,6 @@ class LLM:
     def _check(self, ids: Any, params: SamplingParams) -> list[int]:
         """Token ids of a request, or a ``ValueError`` saying what is wrong with it."""
         vocab = self.model.cfg.vocab_size
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(ids).__name__}")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
         if bad:
             raise ValueError(f"token ids must be ints, got {bad[0]!r}")
