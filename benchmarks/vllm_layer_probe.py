@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from oscarkv.integrations.vllm.core import LayerParams, build_step, carve, decode_plan, page_bytes, quant_step
-from oscarkv.integrations.vllm.options import Tiering
+from oscarkv.cache import TierPolicy
+from oscarkv.integrations.vllm.options import windows_of
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
 from oscarkv.kernels.plan import DecodePlan
@@ -36,16 +37,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (reference ops)")
     a = ap.parse_args()
     dev, B, n, H, d, blk = torch.device(a.device), a.batch, a.context, a.hkv, 128, 64
-    tiers = Tiering(sink=64, window=256, page=blk)
+    tiers = TierPolicy(sink=64, window=256, unit=blk)
+    rows16 = windows_of(tiers)[1]
     fmt = PageFormat(H, d, page_size=blk)
     per_seq = -(-(n + 1) // blk)
-    kv = torch.randint(0, 255, (B * per_seq + 1, page_bytes(fmt)), dtype=torch.uint8, device=dev)
-    pages = carve(kv, fmt)
+    kv = torch.randint(0, 255, (B * per_seq + 1, page_bytes(fmt, fmt)), dtype=torch.uint8, device=dev)
+    pages = carve(kv, fmt, fmt)
     for pool in pages:  # finite fp16 scales/offsets
         pool.scale.copy_(torch.rand_like(pool.scale, dtype=torch.float32).to(pool.scale.dtype) * 0.1)
         pool.offset.copy_(torch.randn_like(pool.offset, dtype=torch.float32).to(pool.offset.dtype) * 0.1)
     slots = WindowSlots(B)
-    shape = (B + 1, tiers.rows16, H, d)
+    shape = (B + 1, rows16, H, d)
     pools = tuple(torch.randn(shape, device=dev).to(torch.bfloat16) for _ in range(2))
     bt = (1 + torch.arange(B * per_seq, dtype=torch.int32, device=dev)).view(B, per_seq)
     keys = bt[:, 0].cpu().numpy().astype(np.int64)
@@ -73,7 +75,7 @@ def main() -> None:
     for _ in range(10):
         m = step_meta()
     res["build_step_ms"] = (time.perf_counter() - t0) * 100
-    plan = decode_plan(None, m, lambda width: DecodePlan(B, a.hq, H, d, blk, width, tiers.rows16, device=dev))
+    plan = decode_plan(None, m, lambda width: DecodePlan(B, a.hq, H, d, blk, width, rows16, device=dev))
     for name, use_plan in (("with_plan", True), ("without_plan", False)):
         m.plan = plan if use_plan else None
         for _ in range(2):  # warm-up (kernel builds)
@@ -205,7 +207,7 @@ def mixed_steps(a, tiers, pages, pools, p, bt, keys, slot_map, n, H, d, blk, dev
             slots.key_of_slot[k] = -1  # the prompt's slot fresh again
             slots.slot_of_key.pop(int(keys[k]), None)
             m = build_step(tiers, slots, k + 1, qsl, seq, keys[:k + 1], bt[:k + 1], smap, blk)
-            m.plan = decode_plan(None, m, lambda w: DecodePlan(k, a.hq, H, d, blk, w, tiers.rows16, device=dev))
+            m.plan = decode_plan(None, m, lambda w: DecodePlan(k, a.hq, H, d, blk, w, windows_of(tiers)[1], device=dev))
             c0 = _triton_cache_entries()
             torch.cuda.synchronize()
             t0 = time.perf_counter()

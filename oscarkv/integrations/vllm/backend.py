@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...kernels.plan import DecodePlan
 from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, prebuild_decode_kernels, quant_step
 from .graphs import LayerGraphs, SharedInputs, StaticDecode
-from .options import OscarOptions, OscarVllmError
+from .options import OscarOptions, OscarVllmError, check_served
 from .runtime import layer_params, local_kv_heads, runtime
 from .windows import WindowSlots
 
@@ -47,9 +47,11 @@ class OscarAttentionSpec(FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs):
+        # layers in different formats have different page bytes: vLLM's convention for "not one spec" is an
+        # AssertionError, after which it keeps every layer's own page size in one KV-cache group (one block table;
+        # UniformTypeKVCacheSpecs), so each layer's tensor holds exactly its own format (docs/vllm.md)
+        assert all(s.oscar_page_bytes == specs[0].oscar_page_bytes for s in specs), "OSCAR layers differ in format"
         merged = super().merge(specs)
-        if any(s.oscar_page_bytes != specs[0].oscar_page_bytes for s in specs):
-            raise OscarVllmError("all OSCAR layers of one KV cache group must have the same page size")
         return replace(merged, oscar_page_bytes=specs[0].oscar_page_bytes)
 
 
@@ -92,7 +94,7 @@ class OscarAttentionBackend(AttentionBackend):
         if OscarOptions.from_additional_config(cfg.additional_config) is None:
             return default_block_size
         rt = runtime(cfg, require=False)
-        return rt.tiers.page if rt.windows else default_block_size
+        return rt.policy.unit if rt.windows else default_block_size
 
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
@@ -114,6 +116,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self.rt = runtime(vllm_config, require=not _is_cpu())
         self.block_size = kv_cache_spec.block_size
         self.slots = WindowSlots(self.rt.num_slots) if self.rt.windows else None
+        self.pages = self.rt.channel_layers  # list the pages each step completes (channel-page layers write them)
         self._warned = 0
         self.device = torch.device(device)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
@@ -123,22 +126,26 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self._plan: DecodePlan | None = None
         self._static_decode: StaticDecode | None = None
         if self.device.type == "cuda" and self.rt.quantized and self.rt.windows:  # decode rows take the decode kernel
-            prebuild_decode_kernels(self.rt.page_format(self.num_kv_heads, self.block_size), self.num_q_heads,
-                                    vllm_config.model_config.dtype, self.rt.window_dtype, self.max_seqs,
-                                    logger.warning)
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            layers = sorted({extract_layer_index(name) for name in layer_names})
+            for fmt in dict.fromkeys(self.rt.page_formats(i, self.num_kv_heads, self.block_size)[0] for i in layers):
+                prebuild_decode_kernels(fmt, self.num_q_heads, vllm_config.model_config.dtype, self.rt.window_dtype,
+                                        self.max_seqs, logger.warning)
 
     def _new_plan(self, width: int) -> DecodePlan:
         """A decode plan for this rank's heads, every sequence slot and block tables ``width`` pages wide."""
         return DecodePlan(max_batch=self.max_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                           head_dim=self.rt.model.head_dim, page_size=self.block_size, max_pages=width,
-                          max_len16=self.rt.tiers.rows16, device=self.device)
+                          max_len16=self.rt.rows16, device=self.device)
 
     def _static(self, width: int) -> StaticDecode:
         """The persistent buffers of padded decode steps (built once, for the block table's width)."""
         if self._static_decode is None or self._static_decode.width < width:
-            rows16 = self.rt.tiers.rows16
+            rows16 = self.rt.rows16
             self._static_decode = StaticDecode(self.max_seqs, width, rows16, self.rt.num_slots * rows16,
-                                               self._new_plan(width), self.device)
+                                               self._new_plan(width), self.device,
+                                               self.block_size if self.pages else 0)
         return self._static_decode
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -150,8 +157,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         seq = seq_src[:B].numpy().astype(np.int64)
         bt = cam.block_table_tensor[:B]
         keys = bt[:, 0].cpu().numpy().astype(np.int64) if self.slots is not None else None
-        step = build_step(self.rt.tiers, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
-                          cam.slot_mapping[: cam.num_actual_tokens], self.block_size)
+        step = build_step(self.rt.policy, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
+                          cam.slot_mapping[: cam.num_actual_tokens], self.block_size, pages=self.pages)
         if self.rt.windows and self.device.type == "cuda":
             if self.rt.opts.decode_graphs and step.num_decodes == B and B:  # decode only: padded for graphs
                 step = self._static(cam.block_table_tensor.shape[1]).fill(step)
@@ -185,10 +192,12 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             raise OscarVllmError(f"layer head size {head_size} != model head_dim {self.rt.model.head_dim}")
         self.pools = None
         if self.rt.windows:
-            shape = (self.rt.num_slots + 1, self.rt.tiers.rows16, self.num_kv_heads, head_size)
+            shape = (self.rt.num_slots + 1, self.rt.rows16, self.num_kv_heads, head_size)
             dtype = self.rt.window_dtype
             self.pools = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.params = None
+        self.layer_idx = -1
+        self.formats: dict[int, tuple] = {}  # block size -> (K, V) PageFormat of this layer
         self.graphs: LayerGraphs | None = None
 
     def bind(self, layer: Any) -> None:
@@ -196,7 +205,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.model_executor.models.utils import extract_layer_index
 
-        idx = extract_layer_index(layer.layer_name)
+        idx = self.layer_idx = extract_layer_index(layer.layer_name)
         heads = local_kv_heads(self.rt.model.num_kv_heads, get_tensor_model_parallel_world_size(),
                                get_tensor_model_parallel_rank())
         if len(heads) != self.num_kv_heads:
@@ -210,12 +219,20 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         if self.params is None:
             self.bind(layer)
         block_size = vllm_config.cache_config.block_size
-        self.rt.tiers.check_block_size(block_size)
+        check_served(self.rt.recipe, self.rt.policy, block_size, self.rt.num_slots,
+                     vllm_config.scheduler_config.max_num_seqs)
         if not self.rt.quantized:
             return original(layer, vllm_config)
-        fmt = self.rt.page_format(self.num_kv_heads, block_size)
         return OscarAttentionSpec(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                  dtype=torch.uint8, oscar_page_bytes=page_bytes(fmt))
+                                  dtype=torch.uint8, oscar_page_bytes=page_bytes(*self._formats(block_size)))
+
+    def _formats(self, block_size: int) -> tuple:
+        if block_size not in self.formats:
+            try:
+                self.formats[block_size] = self.rt.page_formats(self.layer_idx, self.num_kv_heads, block_size)
+            except ValueError as e:
+                raise OscarVllmError(f"layer {self.layer_idx}: {e}") from None
+        return self.formats[block_size]
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None, output_block_scale_dummy=None):
@@ -229,8 +246,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
         T = m.graph_rows or m.num_tokens
         q, k, v = query[:T], key[:T], value[:T]
         if self.rt.quantized:
-            fmt = self.rt.page_format(self.num_kv_heads, attn_metadata.block_size)
-            kv = carve(kv_cache, fmt)
+            kv = carve(kv_cache, *self._formats(attn_metadata.block_size))
             # written straight into vLLM's output buffer (one rounding of the float32 result, as a copy would)
             out = output[:T].view(T, self.num_heads, self.head_size)
             if m.graph_rows:

@@ -1,13 +1,17 @@
 """One attention layer of one vLLM step over the OSCAR cache, independent of vLLM's classes (unit-testable).
 
-Per layer the cache is vLLM's block-major tensor ``[num_blocks, page_bytes]`` (uint8), carved into K and V
-pools of :class:`~oscarkv.kernels.layout.QuantPages` (every token is written in 2-bit), plus a 16-bit pool
-``[num_slots + 1, rows16, Hkv, d]`` per K and V for the sink and recent windows (:mod:`.windows`).
+Per layer the cache is vLLM's block-major tensor ``[num_blocks, page_bytes]`` (uint8) in that layer's own page
+size, carved into K and V pools of :class:`~oscarkv.kernels.layout.QuantPages` in the layer's
+:class:`~oscarkv.formats.LayerFormat`, plus a 16-bit pool ``[num_slots + 1, rows16, Hkv, d]`` per K and V for the
+sink and recent windows (:mod:`.windows`). Which token is read from which tier is the store's
+:class:`~oscarkv.cache.TierPolicy`.
 
-A step: rotate/center the new K/V (``(x - mu) @ R``) and the queries (``q @ R_K``); quantize-and-pack every new
-token into its page slot; copy new rows into the 16-bit ring; decode rows attend to their tiers after the write,
-prefill chunks attend causally to themselves in full precision and to their prefix as stored; the output is
-rotated back (``@ R_V^T``) and ``mu_V`` added.
+A step: rotate/center the new K/V (``(x - mu) @ R``) and the queries (``q @ R_K``); write the 2-bit pages (token
+layouts: every new token into its page slot; a layer with channel-page keys: K and V of each page its last token
+completes, whole, from the 16-bit rows); copy new rows into the 16-bit ring; decode rows attend to their tiers
+after the write, prefill chunks attend causally to themselves in full precision and to their prefix as stored;
+the output is rotated back (``@ R_V^T``) and ``mu_V`` added. Every 2-bit value is quantized from the row's
+16-bit rounding, so the pages hold what the engine's and the transformers cache's demotions write.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import math
+
 import numpy as np
 
 import torch
 from torch import Tensor
 
+from ...cache import TierPolicy
 from ...kernels.layout import PageFormat, QuantPages
 from ...kernels.plan import DecodePlan
 from ...kernels.reference import rotate_rows_ref
-from .options import Tiering
+from .options import windows_of
 from .windows import WindowSlots, step_indices
 
 
@@ -48,34 +55,40 @@ def prebuild_decode_kernels(fmt: PageFormat, num_q_heads: int, q_dtype: torch.dt
         return 0
 
 
-def page_bytes(fmt: PageFormat) -> int:
-    """Bytes of one vLLM block (K and V codes, scales and offsets of ``page_size`` tokens, all heads)."""
+def _pool_bytes(fmt: PageFormat) -> tuple[int, int]:
+    """Bytes of one block's codes and of one block's scales (or offsets) for K or V (all heads)."""
     meta = torch.empty((), dtype=fmt.meta_dtype).element_size()
-    per_kv = fmt.num_kv_heads * fmt.page_size * (fmt.row_bytes + 2 * fmt.groups * meta)
-    return 2 * per_kv
+    return fmt.num_kv_heads * fmt.page_size * fmt.row_bytes, fmt.num_kv_heads * math.prod(fmt.meta_shape) * meta
 
 
-def carve(kv_cache: Tensor, fmt: PageFormat) -> tuple[QuantPages, QuantPages]:
-    """K and V page pools inside vLLM's uint8 ``[num_blocks, page_bytes(fmt)]`` cache of one layer.
+def page_bytes(k_fmt: PageFormat, v_fmt: PageFormat) -> int:
+    """Bytes of one vLLM block of one layer: K and V codes, scales and offsets of ``page_size`` tokens."""
+    (kc, km), (vc, vm) = _pool_bytes(k_fmt), _pool_bytes(v_fmt)
+    return kc + vc + 2 * km + 2 * vm
+
+
+def carve(kv_cache: Tensor, k_fmt: PageFormat, v_fmt: PageFormat) -> tuple[QuantPages, QuantPages]:
+    """K and V page pools inside vLLM's uint8 ``[num_blocks, page_bytes(k_fmt, v_fmt)]`` cache of one layer.
 
     The bytes are used pool-major (K codes of all blocks, then V codes, K scales, K offsets, V scales, V offsets),
     so each pool is a contiguous tensor as the kernels require. vLLM only ever addresses these bytes through the
     backend (no KV zeroing for this spec, no KV connectors), so the block-major shape it allocates is only a size.
     """
-    nb = kv_cache.shape[0]
-    if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or kv_cache.numel() != nb * page_bytes(fmt):
+    nb, want = kv_cache.shape[0], page_bytes(k_fmt, v_fmt)
+    if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or kv_cache.numel() != nb * want:
         raise ValueError(f"KV cache {tuple(kv_cache.shape)} {kv_cache.dtype} is not {nb} contiguous pages of "
-                         f"{page_bytes(fmt)} bytes")
+                         f"{want} bytes")
     flat = kv_cache.view(-1)
-    H, P, md = fmt.num_kv_heads, fmt.page_size, fmt.meta_dtype
-    msize = torch.empty((), dtype=md).element_size()
+    H, P = k_fmt.num_kv_heads, k_fmt.page_size
     parts, at = [], 0
-    for dtype, last, size in [(torch.uint8, fmt.row_bytes, 1)] * 2 + [(md, fmt.groups, msize)] * 4:
-        n = nb * H * P * last * size
-        parts.append(flat[at:at + n].view(dtype).view(nb, H, P, last))
+    for dtype, shape in ((torch.uint8, (P, k_fmt.row_bytes)), (torch.uint8, (P, v_fmt.row_bytes)),
+                         (k_fmt.meta_dtype, k_fmt.meta_shape), (k_fmt.meta_dtype, k_fmt.meta_shape),
+                         (v_fmt.meta_dtype, v_fmt.meta_shape), (v_fmt.meta_dtype, v_fmt.meta_shape)):
+        n = nb * H * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        parts.append(flat[at:at + n].view(dtype).view(nb, H, *shape))
         at += n
     kc, vc, ks, ko, vs, vo = parts
-    return QuantPages(kc, ks, ko, fmt), QuantPages(vc, vs, vo, fmt)
+    return QuantPages(kc, ks, ko, k_fmt), QuantPages(vc, vs, vo, v_fmt)
 
 
 @dataclass
@@ -90,6 +103,7 @@ class LayerParams:
     v_clip: float
     sm_scale: float
     dtype16: torch.dtype = torch.bfloat16  # the 16-bit tiers; quantized rows are quantized from this rounding
+    channel: bool = False  # keys in channel pages: K and V pages are written whole when complete
 
 
 @dataclass
@@ -115,15 +129,21 @@ class StepMeta:
     graph_rows: int = 0  # > 0: a decode step padded for CUDA graphs (graphs.StaticDecode); its real rows
     qlen_host: list[int] = field(default_factory=list)  # qlen and len16 as host integers: the extend kernel's
     len16_host: list[int] = field(default_factory=list)  # cuDNN fold needs them (no device read per layer)
+    # pages completed this step, per page token (windows.StepIndices.page_*): physical slot (-1 = none), source
+    page_slots: Tensor | None = None  # int64 [M]
+    page_new: Tensor | None = None  # int64 [M]: this step's token index (clamped to 0 where the pool is read)
+    page_ring: Tensor | None = None  # int64 [M]: flat 16-bit pool row
+    page_from_new: Tensor | None = None  # bool [M]
 
 
 def build_step(
-    tiers: Tiering, slots: WindowSlots | None, num_slots: int, qsl: np.ndarray, seq: np.ndarray,
-    keys: np.ndarray | None, block_table: Tensor, slot_mapping: Tensor, block_size: int,
+    policy: TierPolicy, slots: WindowSlots | None, num_slots: int, qsl: np.ndarray, seq: np.ndarray,
+    keys: np.ndarray | None, block_table: Tensor, slot_mapping: Tensor, block_size: int, pages: bool = False,
 ) -> StepMeta:
     """:class:`StepMeta` of one step from vLLM's batch: ``qsl`` query start offsets ``[B + 1]`` and ``seq``
     tokens after the step ``[B]`` (CPU int64), ``keys`` first-block ids (None without windows), the device
-    ``block_table [B, M]`` and ``slot_mapping [T]``. Leading one-token rows are decodes (vLLM puts them first)."""
+    ``block_table [B, M]`` and ``slot_mapping [T]``. Leading one-token rows are decodes (vLLM puts them first).
+    ``pages``: also list the pages this step completes (layers with channel-page keys write them)."""
     B = len(seq)
     qlens = np.diff(qsl)
     is_one = qlens == 1
@@ -132,7 +152,7 @@ def build_step(
         row_slots = slots.assign(keys, fresh=(seq - qlens) == 0)
     else:
         row_slots = np.full(B, -1, dtype=np.int64)
-    idx = step_indices(tiers, row_slots, seq, qlens, num_slots, np.arange(B) < nd)
+    idx = step_indices(policy, row_slots, seq, qlens, num_slots, np.arange(B) < nd, block_size if pages else 0)
     skip = idx.skip // block_size
     dev = block_table.device
     if B == 0 or (skip == skip[0]).all():
@@ -145,10 +165,11 @@ def build_step(
         return torch.as_tensor(a, dtype=dtype).to(dev, non_blocking=True)
 
     T = int(qsl[-1])
+    trash = num_slots * windows_of(policy)[1]
     # a chunk's tokens that leave the window at once all map to the trash row: scattering them there (32K
     # writes of one row per layer at 32K prompts) is contention, not work, so prefill steps write the kept ones
-    keep = np.flatnonzero(idx.ring_rows != num_slots * tiers.rows16) if slots is not None and nd < B else None
-    return StepMeta(
+    keep = np.flatnonzero(idx.ring_rows != trash) if slots is not None and nd < B else None
+    m = StepMeta(
         num_tokens=T, num_decodes=nd, slot_mapping=slot_mapping[:T].long(), block_table=block_table,
         qlen=to_dev(idx.qlen, torch.int32), skip_blocks=int(skip[0]) if B else 0, bt2=bt2,
         len16=to_dev(idx.len16, torch.int32), gather=to_dev(idx.gather, torch.int64),
@@ -159,6 +180,14 @@ def build_step(
         seq_lens=seq.tolist(), max_qlen=int(idx.qlen[:nd].max()) if nd else 0,
         qlen_host=[int(x) for x in idx.qlen], len16_host=[int(x) for x in idx.len16],
     )
+    if pages:
+        row, pos = to_dev(idx.page_row, torch.int64), to_dev(idx.page_pos, torch.int64)
+        blk = block_table[row.clamp(min=0), pos // block_size].long()
+        m.page_slots = torch.where(row >= 0, blk * block_size + pos % block_size, -1)
+        m.page_new = to_dev(np.maximum(idx.page_new, 0), torch.int64)
+        m.page_from_new = to_dev(idx.page_new >= 0, torch.bool)
+        m.page_ring = to_dev(idx.page_ring, torch.int64)
+    return m
 
 
 def decode_plan(plan: DecodePlan | None, m: StepMeta, new_plan: Callable[[int], DecodePlan]) -> DecodePlan | None:
@@ -217,7 +246,10 @@ def quant_step(
             if n0:
                 pre16[row] = (flat_k[m.gather[row]].permute(1, 0, 2)[None],
                               flat_v[m.gather[row]].permute(1, 0, 2)[None])
-    quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
+    if p.channel:  # before the ring write: a completed page's older tokens are read from the ring
+        write_pages(kp, vp, k16new, v16new, flat_k, flat_v, p, m)
+    else:
+        quantize_write(kp, vp, k16new, v16new, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
     if pools is not None:  # a step with prefill chunks: only the rows the ring keeps (build_step)
         flat_k.index_copy_(0, m.ring_dst, k16new[m.ring_keep])
         flat_v.index_copy_(0, m.ring_dst, v16new[m.ring_keep])
@@ -260,13 +292,28 @@ def _decode_step(q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPag
     # (x - mu) @ R rounded to the tiers' dtype: the rows to quantize, also written into the 16-bit ring
     rotate_rows(k, p.r_k, p.mu_k, out=k16, rows_out=flat_k, rows=m.ring_rows)
     rotate_rows(v, p.r_v, p.mu_v, out=v16, rows_out=flat_v, rows=m.ring_rows)
-    quantize_write(kp, vp, k16, v16, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
+    if p.channel:  # the ring now holds every token of a page completed by this step's token
+        write_pages(kp, vp, k16, v16, flat_k, flat_v, p, m)
+    else:
+        quantize_write(kp, vp, k16, v16, m.slot_mapping, k_clip=p.k_clip, v_clip=p.v_clip)
     ka, va = flat_k[m.gather[:T]].permute(0, 2, 1, 3), flat_v[m.gather[:T]].permute(0, 2, 1, 3)
     attn = decode_attention(qr, kp, vp, m.bt2[:T], m.qlen[:T], ka, va, m.len16[:T], p.sm_scale, plan=m.plan,
                             out=torch.empty_like(q))
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     return rotate_rows(attn, p.r_v, p.mu_v, out=out, transpose=True, mean_after=True)  # @ R_V^T + mu_V
+
+
+def write_pages(kp: QuantPages, vp: QuantPages, k16: Tensor, v16: Tensor, flat_k: Tensor, flat_v: Tensor,
+                p: LayerParams, m: StepMeta) -> None:
+    """K and V of the pages this step completes (``m.page_*``), whole, from their 16-bit rows: this step's rows
+    ``k16/v16 [T, Hkv, d]`` or the flat 16-bit pools. A page of padding (slots -1) is skipped."""
+    if m.page_slots is None or not m.page_slots.numel():
+        return
+    sel = m.page_from_new[:, None, None]
+    k = torch.where(sel, k16[m.page_new], flat_k[m.page_ring])
+    v = torch.where(sel, v16[m.page_new], flat_v[m.page_ring])
+    ops()[0](kp, vp, k, v, m.page_slots, k_clip=p.k_clip, v_clip=p.v_clip, check_pages=False)
 
 
 def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
@@ -306,5 +353,5 @@ def dense_step(q: Tensor, k: Tensor, v: Tensor, kv16: Tensor, p: LayerParams, m:
     return unrotate_rows(out, p)
 
 
-__all__ = ["page_bytes", "carve", "prebuild_decode_kernels", "LayerParams", "StepMeta", "build_step", "quant_step",
-           "dense_step", "ops", "causal_self_attention", "decode_plan"]
+__all__ = ["LayerParams", "StepMeta", "build_step", "carve", "causal_self_attention", "decode_plan", "dense_step",
+           "ops", "page_bytes", "prebuild_decode_kernels", "quant_step", "write_pages"]

@@ -6,8 +6,9 @@ layer for the 7 launches of :func:`.core.quant_step`'s decode path, Python domin
 into persistent buffers (:class:`StaticDecode`, once per step), and each layer replays a graph captured for that
 bucket (:class:`LayerGraphs`): per layer the host then copies q/k/v in, replays, and copies the output out.
 
-Padded rows are inert: no 2-bit slot (``slot_mapping = -1``: the quantize kernel skips them), ring writes and
-16-bit reads on the pool's trash row, no 2-bit tokens (``qlen = 0``), so they write nothing a real row reads.
+Padded rows are inert: no 2-bit slot (``slot_mapping = -1`` and, for channel-page layers, page slots ``-1``: the
+quantize kernel skips them), ring writes and 16-bit reads on the pool's trash row, no 2-bit tokens (``qlen = 0``),
+so they write nothing a real row reads.
 """
 
 from __future__ import annotations
@@ -34,8 +35,14 @@ class StaticDecode:
     """Persistent metadata of decode-only steps, sized for ``max_seqs`` rows; :meth:`fill` pads one step."""
 
     def __init__(self, max_seqs: int, width: int, rows16: int, trash_row: int, plan: DecodePlan,
-                 device: torch.device):
+                 device: torch.device, page_size: int = 0):
         self.max_seqs, self.width, self.trash, self.plan = max_seqs, width, trash_row, plan
+        self.P = page_size  # > 0: each decode row may complete one page (channel-page layers write it whole)
+        M = max_seqs * page_size
+        self.page_slots = torch.full((M,), -1, dtype=torch.int64, device=device)
+        self.page_new = torch.zeros(M, dtype=torch.int64, device=device)
+        self.page_ring = torch.full((M,), trash_row, dtype=torch.int64, device=device)
+        self.page_from_new = torch.zeros(M, dtype=torch.bool, device=device)
         self.slot_mapping = torch.full((max_seqs,), -1, dtype=torch.int64, device=device)
         self.qlen = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.len16 = torch.zeros(max_seqs, dtype=torch.int32, device=device)
@@ -60,12 +67,20 @@ class StaticDecode:
         self.bt2[:B, :w].copy_(m.bt2[:B])
         if n > B:
             self.bt2[B:n].zero_()
+        pages = {}
+        if self.P:
+            for buf, src, pad in ((self.page_slots, m.page_slots, -1), (self.page_new, m.page_new, 0),
+                                  (self.page_ring, m.page_ring, self.trash), (self.page_from_new, m.page_from_new, 0)):
+                buf[:B * self.P].copy_(src[:B * self.P])
+                buf[B * self.P:n * self.P].fill_(pad)
+            pages = dict(page_slots=self.page_slots[:n * self.P], page_new=self.page_new[:n * self.P],
+                         page_ring=self.page_ring[:n * self.P], page_from_new=self.page_from_new[:n * self.P])
         # the split geometry depends only on the bucket (the table's capacity, not this step's longest row), so
         # a graph captured for the bucket stays valid at every step
         plan = self.plan.update(n)
         return replace(m, num_tokens=n, num_decodes=n, slot_mapping=self.slot_mapping[:n], qlen=self.qlen[:n],
                        len16=self.len16[:n], gather=self.gather[:n], ring_rows=self.ring_rows[:n],
-                       bt2=self.bt2[:n], plan=plan, graph_rows=B)
+                       bt2=self.bt2[:n], plan=plan, graph_rows=B, **pages)
 
 
 class SharedInputs:
@@ -126,9 +141,14 @@ class LayerGraphs:
 
 
 def _unpadded(m: StepMeta, B: int) -> dict:
-    return dict(num_tokens=B, num_decodes=B, slot_mapping=m.slot_mapping[:B], qlen=m.qlen[:B], len16=m.len16[:B],
-                gather=m.gather[:B], ring_rows=m.ring_rows[:B], bt2=m.bt2[:B], graph_rows=0,
-                plan=None)  # the bucket's plan has another batch: the kernel plans this call itself
+    out = dict(num_tokens=B, num_decodes=B, slot_mapping=m.slot_mapping[:B], qlen=m.qlen[:B], len16=m.len16[:B],
+               gather=m.gather[:B], ring_rows=m.ring_rows[:B], bt2=m.bt2[:B], graph_rows=0,
+               plan=None)  # the bucket's plan has another batch: the kernel plans this call itself
+    if m.page_slots is not None:
+        M = m.page_slots.shape[0] // m.num_tokens * B  # decode rows: the same number of page tokens each
+        out.update(page_slots=m.page_slots[:M], page_new=m.page_new[:M], page_ring=m.page_ring[:M],
+                   page_from_new=m.page_from_new[:M])
+    return out
 
 
 __all__ = ["BUCKETS", "bucket_for", "StaticDecode", "SharedInputs", "LayerGraphs"]

@@ -8,8 +8,9 @@ Keys (unknown keys are an error):
 
 * ``calibration`` (str): an artifact folder written by ``oscarkv calibrate`` for the served model. Required for
   every method but ``bf16``.
-* ``method`` (str, default ``"oscar"``): a token-layout method of :mod:`oscarkv.methods`, resolved exactly as
-  the transformers integration resolves it: ``oscar`` (16-bit sink + recent window, 2-bit middle),
+* ``method`` (str, default ``"oscar"``): a method of :mod:`oscarkv.methods`, resolved exactly as the transformers
+  integration resolves it: ``oscar`` (16-bit sink + recent window, 2-bit middle), ``oscar-auto`` (the
+  artifact's per-layer formats: token or channel keys, 2 or 4 bits, per layer and per K/V),
   ``oscar-nowindow`` (every token quantized on write), ``oscar-hadamard``, ``oscar-noclip``, ``naive-int2``,
   ``quarot-int2``, ``int4-hadamard``, their ``-nocenter`` variants, or ``bf16`` (K/V kept in vLLM's own 16-bit
   pages through this backend: a diagnostic whose tokens must equal vLLM's built-in backend).
@@ -66,9 +67,9 @@ class OscarOptions:
         if self.method not in methods.names():
             raise OscarVllmError(f"unknown oscar.method {self.method!r}; valid: {methods.names()}")
         m = methods.get(self.method)
-        if m.key_layout != "token":
-            raise OscarVllmError(f"method {self.method!r} stores keys per channel, which the vLLM backend does not "
-                                 "implement; use a token-layout method such as 'oscar'")
+        if m.windows == "kivi":
+            raise OscarVllmError(f"method {self.method!r} keeps a residual window without a sink, which the vLLM "
+                                 "backend does not implement; use 'oscar' or 'oscar-auto'")
         v = self.max_seqs
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise OscarVllmError(f"oscar.max_seqs must be an int >= 1, got {v!r}")
@@ -143,71 +144,54 @@ def resolve_recipe(opts: OscarOptions, calib):
     from ...config import ConfigError
 
     try:
-        recipe = methods.resolve(opts.method, calib)
+        return methods.resolve(opts.method, calib)
     except ConfigError as e:
         raise OscarVllmError(f"oscar.method {opts.method!r} cannot use this calibration: {e}") from e
-    first = recipe.formats[0]
-    uniform = all(f is None or (f.k.layout == "token" and f.k.bits == f.v.bits == first.k.bits) for f in recipe.formats)
-    if not uniform:  # e.g. oscar-auto: vLLM allocates one page size for every layer
-        raise OscarVllmError(
-            f"oscar.method {opts.method!r} stores per-layer formats (layer_formats); the vLLM backend serves one "
-            "format for every layer: use method 'oscar' (it ignores layer_formats), or serve per-layer formats "
-            "with oscarkv.LLM / `oscarkv serve`")
-    return recipe
 
 
-@dataclass(frozen=True)
-class Tiering:
-    """Which tokens attention reads in 16-bit (method section 4), in units the vLLM backend uses.
+def windows_of(policy) -> tuple[int, int]:
+    """``(ring, rows16)`` of a :class:`~oscarkv.cache.TierPolicy` in the backend: the recent window lives in a
+    ring of ``window + unit`` rows after ``sink`` rows per sequence; ``(0, 0)`` when every token is quantized."""
+    if not policy.windows:
+        return 0, 0
+    return policy.ring, policy.sink + policy.ring
 
-    With ``enabled``: the first ``sink`` tokens and the most recent ``window .. window + page - 1`` tokens are
-    16-bit, and the 2-bit tier is the whole pages of ``page`` tokens demoted after the sink. The recent tokens
-    live in a ring of ``window + page`` rows. Every token is also written to the 2-bit pages, so the tiers only
-    decide what attention reads. Without ``enabled`` every token is read from the 2-bit pages.
-    """
 
-    sink: int
-    window: int
-    page: int
-    enabled: bool = True
-
-    @property
-    def ring(self) -> int:
-        return self.window + self.page if self.enabled else 0
-
-    @property
-    def rows16(self) -> int:
-        """16-bit rows per sequence (sink + ring)."""
-        return self.sink + self.ring if self.enabled else 0
-
-    @property
-    def first_block_tokens(self) -> int:
-        """Tokens before the 2-bit tier starts in the page table (the sink, or 0)."""
-        return self.sink if self.enabled else 0
-
-    def qlen(self, n: int) -> int:
-        """Tokens in the 2-bit tier of a sequence of ``n`` tokens."""
-        if not self.enabled:
-            return n
-        rest = n - self.sink - self.window
-        return 0 if rest <= 0 else self.page * (rest // self.page)
-
-    def len16(self, n: int) -> int:
-        """Tokens in the 16-bit tiers of a sequence of ``n`` tokens."""
-        return n - self.qlen(n) if self.enabled else 0
-
-    def check_block_size(self, block_size: int) -> None:
-        if not self.enabled:
-            return
-        for name, v in (("sink", self.sink), ("page_size", self.page)):
+def check_served(recipe, policy, block_size: int, num_slots: int, max_num_seqs: int) -> None:
+    """Refuse, with one line saying what to change, what the backend cannot serve: a block size that does not
+    tile the sink and the demotion unit, and channel-page keys without the 16-bit windows, in blocks other than
+    the artifact's pages, or with fewer window slots than sequences (their pages are written when complete, from
+    the 16-bit rows)."""
+    if policy.windows:
+        for name, v in (("sink", policy.sink), ("page_size", policy.unit)):
             if v % block_size:
                 raise OscarVllmError(
                     f"the OSCAR {name} ({v}) must be a multiple of vLLM's block size ({block_size}); "
-                    f"start vLLM with block_size={self.page} (--block-size {self.page})"
-                )
+                    f"start vLLM with block_size={policy.unit} (--block-size {policy.unit})")
+    channel = [i for i, f in enumerate(recipe.formats) if f is not None and f.k.channel]
+    if not channel:
+        return
+    where = f"layers {channel[:8]}{' ...' if len(channel) > 8 else ''} store keys in channel pages"
+    if not policy.windows:
+        raise OscarVllmError(f"{where}, which need the 16-bit windows: use a method with a sink and a window")
+    if block_size != recipe.page_size:
+        raise OscarVllmError(f"{where} of {recipe.page_size} tokens: start vLLM with --block-size "
+                             f"{recipe.page_size} (got {block_size})")
+    if num_slots < max_num_seqs:
+        raise OscarVllmError(f"{where}: every sequence needs its 16-bit window slot; drop oscar.max_seqs "
+                             f"({num_slots}) or raise it to max_num_seqs ({max_num_seqs})")
 
 
 __all__ = [
-    "OscarOptions", "OscarVllmError", "ServedModel", "Tiering", "check_model", "load_calibration", "resolve_recipe",
-    "PINNED_VLLM", "SUPPORTED_ARCHITECTURES", "SUPPORTED_HEAD_SIZES",
+    "PINNED_VLLM",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_HEAD_SIZES",
+    "OscarOptions",
+    "OscarVllmError",
+    "ServedModel",
+    "check_model",
+    "check_served",
+    "load_calibration",
+    "resolve_recipe",
+    "windows_of",
 ]

@@ -1,4 +1,5 @@
-"""What every process derives from vLLM's config: options, the checked calibration, tiers, window slots.
+"""What every process derives from vLLM's config: options, the checked calibration, the tier rule
+(:class:`~oscarkv.cache.TierPolicy`, the one every front-end uses), per-layer page formats, window slots.
 
 Resolved once per process and configuration (``runtime(vllm_config)``), so the metadata builder and every layer's
 attention implementation agree on the tiers and the 16-bit pool geometry.
@@ -13,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .options import OscarOptions, OscarVllmError, ServedModel, Tiering, load_calibration, resolve_recipe
+from ...cache import TierPolicy, geometry_for, policy_for
+from .options import OscarOptions, OscarVllmError, ServedModel, load_calibration, resolve_recipe, windows_of
 
 logger = logging.getLogger("vllm.oscarkv")  # under vLLM's logger, so its handler prints it
 _RUNTIMES: dict[str, "Runtime"] = {}
@@ -25,7 +27,7 @@ class Runtime:
     calib: Any  # oscarkv.artifact.Calibration
     recipe: Any  # oscarkv.methods.Recipe
     model: ServedModel
-    tiers: Tiering
+    policy: TierPolicy
     num_slots: int
     window_dtype: torch.dtype  # the 16-bit tiers: the model's dtype if 16-bit, else bfloat16 (as oscarkv.hf)
     graph_inputs: Any = None  # graphs.SharedInputs of this process's layers (created on the first decode graph)
@@ -36,14 +38,29 @@ class Runtime:
 
     @property
     def windows(self) -> bool:
-        return self.recipe.quantized and self.tiers.enabled
+        return self.recipe.quantized and self.policy.windows
 
-    def page_format(self, num_kv_heads: int, block_size: int):
-        from ...kernels.layout import PageFormat
+    @property
+    def ring(self) -> int:
+        return windows_of(self.policy)[0] if self.quantized else 0
 
-        r = self.recipe
-        return PageFormat(num_kv_heads=num_kv_heads, head_dim=self.model.head_dim, page_size=block_size,
-                          bits=r.formats[0].k.bits, group_size=r.group_size, meta_dtype=r.meta_dtype)
+    @property
+    def rows16(self) -> int:
+        """16-bit rows per sequence slot (sink + ring), 0 without windows."""
+        return windows_of(self.policy)[1] if self.quantized else 0
+
+    @property
+    def channel_layers(self) -> bool:
+        """Some layer stores keys in channel pages (written when a page is complete, from the 16-bit rows)."""
+        return any(f is not None and f.k.channel for f in self.recipe.formats)
+
+    def page_formats(self, layer: int, num_kv_heads: int, block_size: int):
+        """``(K, V)`` :class:`~oscarkv.kernels.layout.PageFormat` of ``layer`` for this rank's KV heads: the
+        layer's :class:`~oscarkv.formats.LayerFormat` in pages of one vLLM block."""
+        from dataclasses import replace
+
+        geo = replace(geometry_for(self.recipe, num_kv_heads, self.model.head_dim), page_size=block_size)
+        return geo.page_formats(self.recipe.formats[layer])
 
 
 def served_model(vllm_config: Any) -> ServedModel:
@@ -84,9 +101,8 @@ def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
     model = served_model(vllm_config)
     calib = load_calibration(opts, model)
     recipe = resolve_recipe(opts, calib)
-    tiers = Tiering(sink=recipe.sink, window=recipe.window, page=recipe.unit,
-                    enabled=recipe.quantized and (recipe.sink > 0 or recipe.window > 0))
-    if tiers.enabled:
+    policy = policy_for(recipe)
+    if recipe.quantized and policy.windows:
         if vllm_config.cache_config.enable_prefix_caching:
             raise OscarVllmError(
                 "the 16-bit windows are per sequence and need prefix caching off: start vLLM with "
@@ -100,11 +116,15 @@ def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
     num_slots = opts.max_seqs or vllm_config.scheduler_config.max_num_seqs
     dt = vllm_config.model_config.dtype
     window_dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+    from ...formats import describe_layers
+
+    fmts = sorted({f.label for f in recipe.formats if f is not None})
     logger.info("OSCAR KV cache: method %s, %s%s, calibration %s", opts.method,
-                f"{recipe.formats[0].k.bits}-bit" if recipe.quantized else "16-bit",
-                f", 16-bit sink {tiers.sink} + window {tiers.window} (pages of {tiers.page}) for {num_slots} "
-                "sequences" if tiers.enabled else "", opts.calibration)
-    return Runtime(opts=opts, calib=calib, recipe=recipe, model=model, tiers=tiers, num_slots=num_slots,
+                f"quantized layers {describe_layers(recipe.quantized_layers, model.num_layers)} in "
+                f"{', '.join(fmts)}" if recipe.quantized else "16-bit",
+                f", 16-bit sink {policy.sink} + window {policy.window} (pages of {policy.unit}) for {num_slots} "
+                "sequences" if recipe.quantized and policy.windows else "", opts.calibration)
+    return Runtime(opts=opts, calib=calib, recipe=recipe, model=model, policy=policy, num_slots=num_slots,
                    window_dtype=window_dtype)
 
 
@@ -134,7 +154,8 @@ def layer_params(rt: Runtime, layer: int, heads: list[int], sm_scale: float, dev
     H = rt.model.num_kv_heads
     eye, zeros = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
     return LayerParams(r_k=pick(lr.r_k, eye), r_v=pick(lr.r_v, eye), mu_k=pick(lr.mu_k, zeros),
-                       mu_v=pick(lr.mu_v, zeros), k_clip=lr.k_clip, v_clip=lr.v_clip, sm_scale=sm_scale)
+                       mu_v=pick(lr.mu_v, zeros), k_clip=lr.k_clip, v_clip=lr.v_clip, sm_scale=sm_scale,
+                       dtype16=rt.window_dtype, channel=lr.format is not None and lr.format.k.channel)
 
 
 __all__ = ["Runtime", "runtime", "served_model", "local_kv_heads", "layer_params"]

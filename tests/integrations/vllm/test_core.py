@@ -5,31 +5,32 @@ import numpy as np
 import pytest
 import torch
 
-from oscarkv.integrations.vllm.core import (LayerParams, build_step, carve, causal_self_attention, decode_plan,
-                                           dense_step, page_bytes, prebuild_decode_kernels, quant_step)
-from oscarkv.integrations.vllm.options import Tiering
+from oscarkv.cache import PageGeometry, TierPolicy
+from oscarkv.formats import LayerFormat, TensorFormat
+from oscarkv.integrations.vllm.core import build_step, carve, causal_self_attention, dense_step, page_bytes, prebuild_decode_kernels
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
-from oscarkv.kernels.plan import DecodePlan
-from oscarkv.quant import fake_quantize
-from oscarkv.rotation import random_orthogonal
+
+from vllm_sim import NO_WINDOWS, SINK_ONLY, WINDOWS, Sim  # noqa: E402  (pytest puts this folder on sys.path)
 
 
-def test_tiering_matches_method_demotion():
-    t = Tiering(sink=64, window=256, page=64)
-    assert [t.qlen(n) for n in (1, 64, 320, 383, 384, 447, 448, 1000)] == [0, 0, 0, 0, 64, 64, 128, 640]
+def test_backend_reads_the_stores_tier_rule():
+    """The backend has no tier rule of its own: TierPolicy's, with the recent window in a ring of window + unit."""
+    from oscarkv.integrations.vllm.options import windows_of
+
+    t = TierPolicy(sink=64, window=256, unit=64)
+    assert [t.quantized(n) for n in (1, 64, 320, 383, 384, 447, 448, 1000)] == [0, 0, 0, 0, 64, 64, 128, 640]
     for n in range(1, 2000, 7):  # recent window holds W .. W + page - 1 tokens once it is full
-        rec = n - min(n, 64) - t.qlen(n)
+        rec = n - min(n, 64) - t.quantized(n)
         assert rec < 256 + 64 and (n < 64 + 256 or rec >= 256)
-    off = Tiering(64, 256, 64, enabled=False)
-    assert off.qlen(1000) == 1000 and off.rows16 == 0
+    assert windows_of(t) == (320, 384) and windows_of(NO_WINDOWS) == (0, 0) and NO_WINDOWS.quantized(1000) == 1000
 
 
 def test_page_bytes_and_carve_tile_the_cache_with_contiguous_pools():
     fmt = PageFormat(num_kv_heads=8, head_dim=128, page_size=64)
-    assert page_bytes(fmt) == 2 * 8 * 64 * (32 + 4)  # 576 bytes/token vs 4096 for BF16: 7.1x
-    kv = torch.zeros(3, page_bytes(fmt), dtype=torch.uint8)
-    k, v = carve(kv, fmt)
+    assert page_bytes(fmt, fmt) == 2 * 8 * 64 * (32 + 4)  # 576 bytes/token vs 4096 for BF16: 7.1x
+    kv = torch.zeros(3, page_bytes(fmt, fmt), dtype=torch.uint8)
+    k, v = carve(kv, fmt, fmt)
     pools = (k.codes, v.codes, k.scale, k.offset, v.scale, v.offset)
     assert all(t.is_contiguous() for t in pools) and k.codes.shape == (3, 8, 64, 32) and k.scale.shape == (3, 8, 64, 1)
     for i, t in enumerate(pools):
@@ -46,111 +47,7 @@ def test_window_slots_recycle_least_recent_and_degrade():
     assert s.assign(np.array([9]), np.array([False])).tolist() == [-1] and s.degraded == 1
 
 
-class Sim:
-    """Sequences through vLLM-like steps (block tables, slot mapping), checked against a dense model."""
-
-    def __init__(self, tiers, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0, plan=False, static=False):
-        self.use_plan, self.plan = plan, None  # plan: one DecodePlan re-planned per step, as the metadata builder
-        self.static = static  # static: decode-only steps padded into persistent buffers, as for CUDA graphs
-        gen = torch.Generator().manual_seed(seed)
-        self.gen, self.tiers, self.H, self.g, self.d, self.block = gen, tiers, H, g, d, block
-        fmt = PageFormat(H, d, page_size=block)
-        self.kv = torch.zeros(nb, page_bytes(fmt), dtype=torch.uint8)
-        self.pages = carve(self.kv, fmt)
-        shape = (num_slots + 1, tiers.rows16, H, d)
-        self.pools = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)) if tiers.enabled else None
-        self.slots, self.num_slots = (WindowSlots(num_slots) if tiers.enabled else None), num_slots
-        rot = torch.stack([random_orthogonal(d, gen) for _ in range(2 * H)])
-        self.p = LayerParams(r_k=rot[:H], r_v=rot[H:], mu_k=torch.randn(H, d, generator=gen),
-                             mu_v=torch.randn(H, d, generator=gen), k_clip=0.96, v_clip=0.92, sm_scale=d**-0.5)
-        self.tables, self.hist, self.next_block = {}, {}, 1
-
-    def step(self, batch, all_2bit=(), out_dtype=None):
-        """batch: [(seq, new_tokens)], decodes (1 token, existing seq) first; ``all_2bit``: sequences expected
-        to have lost their window slot. Returns (got, expected)."""
-        qsl, seq, slot_map = [0], [], []
-        for sid, t in batch:
-            n0 = len(self.hist.get(sid, ([], []))[0])
-            table = self.tables.setdefault(sid, [])
-            while len(table) * self.block < n0 + t:
-                table.append(self.next_block)
-                self.next_block += 1
-            slot_map += [table[p // self.block] * self.block + p % self.block for p in range(n0, n0 + t)]
-            qsl.append(qsl[-1] + t)
-            seq.append(n0 + t)
-        T, Hq = qsl[-1], self.H * self.g
-        q = torch.randn(T, Hq, self.d, generator=self.gen)
-        k = torch.randn(T, self.H, self.d, generator=self.gen) * 2 + 1
-        v = torch.randn(T, self.H, self.d, generator=self.gen)
-        width = max(len(self.tables[s]) for s, _ in batch)
-        bt = torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s, _ in batch], dtype=torch.int32)
-        keys = np.array([self.tables[s][0] for s, _ in batch]) if self.slots else None
-        m = build_step(self.tiers, self.slots, self.num_slots, np.array(qsl), np.array(seq), keys, bt,
-                       torch.tensor(slot_map), self.block)
-        if self.use_plan and self.pools is not None:
-            self.plan = decode_plan(self.plan, m, lambda width: DecodePlan(
-                self.num_slots, self.H * self.g, self.H, self.d, self.block, width, self.tiers.rows16))
-            m.plan = self.plan if m.num_decodes else None
-        buf = None if out_dtype is None else torch.full((T, Hq, self.d), float("nan"), dtype=out_dtype)
-        if self.static is True:
-            from oscarkv.integrations.vllm.graphs import StaticDecode
-
-            plan = DecodePlan(self.num_slots, Hq, self.H, self.d, self.block, 16, self.tiers.rows16)
-            self.static = StaticDecode(self.num_slots, 16, self.tiers.rows16, self.num_slots * self.tiers.rows16,
-                                       plan, torch.device("cpu"))
-        if self.static and m.num_decodes == len(batch):  # padded rows: garbage inputs that must write nothing
-            m = self.static.fill(m)
-            pad = m.num_tokens - T
-            got = quant_step(torch.cat([q, torch.randn(pad, Hq, self.d) * 9]), torch.cat([k, torch.randn(pad, self.H,
-                             self.d) * 9]), torch.cat([v, torch.randn(pad, self.H, self.d) * 9]), self.pages, self.pools,
-                             self.p, m)[:T]
-        else:
-            got = quant_step(q, k, v, self.pages, self.pools, self.p, m, out=buf)  # buf: the backend's output
-        assert buf is None or got is buf or self.static
-        expected = torch.empty(got.shape, dtype=torch.float32)
-        for r, (sid, t) in enumerate(batch):
-            hk, hv = self.hist.setdefault(sid, ([], []))
-            hk += list(k[qsl[r]:qsl[r + 1]])
-            hv += list(v[qsl[r]:qsl[r + 1]])
-            expected[qsl[r]:qsl[r + 1]] = self.dense(sid, q[qsl[r]:qsl[r + 1]], seq[r], t, decode=r < m.num_decodes,
-                                                     windows=sid not in all_2bit)
-        return got, expected
-
-    def rot(self, x, mu, r, clip):
-        """(exact rotated rows, their 16-bit rounding, the 2-bit value quantized from that rounding)"""
-        xr = torch.einsum("nhd,hde->nhe", x - mu, r)
-        x16 = xr.to(self.p.dtype16).float()
-        return xr, x16, fake_quantize(x16, bits=2, clip_ratio=clip, meta_dtype=torch.float16)
-
-    def dense(self, sid, q, n, t, decode, windows=True):
-        """The method's cache read by hand: the prefix as stored before the step (16-bit tiers, 2-bit middle),
-        then the step's own tokens (a prefill chunk unrounded; a decode token from the 16-bit ring)."""
-        hk, hv = (torch.stack(x) for x in self.hist[sid])
-        kr, k16, kq = self.rot(hk, self.p.mu_k, self.p.r_k, self.p.k_clip)
-        vr, v16, vq = self.rot(hv, self.p.mu_v, self.p.r_v, self.p.v_clip)
-        n0 = n - t
-        K, V = kq.clone(), vq.clone()
-        K[n0:], V[n0:] = kr[n0:], vr[n0:]  # the chunk itself
-        if windows and self.tiers.enabled:
-            qlen, S = self.tiers.qlen(n0), self.tiers.sink
-            w16 = torch.zeros(n, dtype=torch.bool)
-            w16[:S], w16[S + qlen:] = True, True
-            if not decode:
-                w16[n0:] = False
-            K[w16], V[w16] = k16[w16], v16[w16]
-        elif windows is False and decode:  # a decode row that lost its slot reads itself from the 2-bit pages
-            K[n0:], V[n0:] = kq[n0:], vq[n0:]
-        K, V = K.repeat_interleave(self.g, 1), V.repeat_interleave(self.g, 1)
-        qr = torch.einsum("nhgd,hde->nhge", q.view(t, self.H, self.g, self.d), self.p.r_k).reshape(t, -1, self.d)
-        s = torch.einsum("thd,jhd->thj", qr, K) * self.p.sm_scale
-        pos = torch.arange(n0, n)[:, None, None]
-        s = s.masked_fill(torch.arange(n)[None, None] > pos, float("-inf"))
-        o = torch.einsum("thj,jhd->thd", s.softmax(-1), V).view(t, self.H, self.g, self.d)
-        return (torch.einsum("nhge,hde->nhgd", o, self.p.r_v) + self.p.mu_v[None, :, None]).reshape(t, -1, self.d)
-
-
-@pytest.mark.parametrize("tiers", [Tiering(sink=16, window=16, page=16), Tiering(sink=16, window=0, page=16),
-                                   Tiering(0, 0, 16, enabled=False)])
+@pytest.mark.parametrize("tiers", [WINDOWS, SINK_ONLY, NO_WINDOWS])
 def test_quant_step_matches_dense_model_of_the_cache(tiers):
     sim = Sim(tiers)  # sequences cross several demotions (every 16 tokens) by prefill chunks and decodes
     steps = [[("a", 40)], [("a", 1), ("b", 23)], [("a", 1), ("b", 1), ("c", 45)]]
@@ -161,7 +58,7 @@ def test_quant_step_matches_dense_model_of_the_cache(tiers):
 
 
 def test_lost_window_slot_degrades_to_2bit_without_reading_other_rows():
-    sim = Sim(Tiering(sink=16, window=16, page=16), num_slots=2)
+    sim = Sim(WINDOWS, num_slots=2)
     sim.step([("a", 20), ("b", 20)])
     sim.step([("c", 20)])  # recycles a's slot (least recently used): a is then served from its 2-bit pages only
     got, expected = sim.step([("a", 1), ("b", 1)], all_2bit={"a"})
@@ -172,7 +69,7 @@ def test_lost_window_slot_degrades_to_2bit_without_reading_other_rows():
 def test_dense_step_is_exact_attention():
     gen = torch.Generator().manual_seed(1)
     H, g, d, blk = 2, 2, 64, 16
-    sim = Sim(Tiering(0, 0, blk, enabled=False), H=H, g=g, d=d, block=blk)
+    sim = Sim(NO_WINDOWS, H=H, g=g, d=d, block=blk)
     kv16 = torch.zeros(8, 2, H, blk, d)
     hist = {"a": ([], []), "b": ([], [])}
     tables = {"a": [1, 2, 3], "b": [4, 5, 6]}
@@ -183,7 +80,7 @@ def test_dense_step_is_exact_attention():
         bt = torch.tensor([tables[s] for s, _ in batch], dtype=torch.int32)
         slot_map = torch.tensor([tables[s][p // blk] * blk + p % blk for (s, t), a in zip(batch, n0)
                                  for p in range(a, a + t)])
-        m = build_step(sim.tiers, None, 1, qsl, seq, None, bt, slot_map, blk)
+        m = build_step(NO_WINDOWS, None, 1, qsl, seq, None, bt, slot_map, blk)
         T = int(qsl[-1])
         q = torch.randn(T, H * g, d, generator=gen)
         k, v = torch.randn(T, H, d, generator=gen), torch.randn(T, H, d, generator=gen)
@@ -218,8 +115,7 @@ def test_causal_self_attention_is_the_extend_reference_without_a_prefix():
 
 
 def test_decode_plan_is_built_once_and_replanned_per_step():
-    tiers = Tiering(sink=16, window=16, page=16)
-    sim = Sim(tiers, plan=True)
+    sim = Sim(WINDOWS, plan=True)
     for batch in ([("a", 40), ("b", 3)], [("a", 1), ("b", 1)], [("a", 1), ("b", 1), ("c", 5)], [("a", 1)]):
         got, want = sim.step(batch)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
@@ -229,7 +125,7 @@ def test_decode_plan_is_built_once_and_replanned_per_step():
 
 
 def test_quant_step_writes_the_output_buffer():
-    sim = Sim(Tiering(sink=16, window=16, page=16))
+    sim = Sim(WINDOWS)
     for batch in ([("a", 30)], [("a", 1), ("b", 7)], [("a", 1), ("b", 1)]):  # prefill, mixed, decode-only
         got, want = sim.step(batch, out_dtype=torch.bfloat16)
         assert got.dtype == torch.bfloat16 and not got.isnan().any()
@@ -242,7 +138,7 @@ def test_padded_decode_steps_equal_unpadded():
     from oscarkv.integrations.vllm.graphs import bucket_for
 
     assert [bucket_for(b, 48) for b in (1, 3, 5, 13, 33, 47, 48)] == [1, 4, 8, 16, 40, 48, 48]
-    sim = Sim(Tiering(sink=16, window=16, page=16), num_slots=6, static=True)
+    sim = Sim(WINDOWS, num_slots=6, static=True)
     steps = [[("a", 40)], [("b", 23)], [("c", 3)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 20
     steps += [[("a", 1), ("c", 1), ("b", 9)], [("a", 1), ("b", 1), ("c", 1)]]
     for batch in steps:
@@ -266,3 +162,47 @@ def test_prebuild_decode_kernels_reports_and_never_raises(monkeypatch):
     monkeypatch.setattr(decode_cuda, "prebuild", fail)
     assert prebuild_decode_kernels(fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 0
     assert len(warned) == 1 and "nvcc failed" in warned[0] and "first use" in warned[0]
+
+
+CHANNEL2_TOKEN4 = LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 4, "calibrated", 0.9))
+CHANNEL4_TOKEN2 = LayerFormat(TensorFormat("channel", 4, "calibrated"), TensorFormat("token", 2, "none", 0.92))
+TOKEN4_TOKEN2 = LayerFormat(TensorFormat("token", 4, "hadamard", 0.95), TensorFormat("token", 2, "none"))
+
+
+@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2], ids=["ch2-tok4", "ch4-tok2", "tok4-tok2"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "padded"])
+def test_per_layer_formats_match_dense_model_of_the_cache(fmt, static):
+    """Channel-page keys (pages written whole when their last token arrives, from the 16-bit rows: a long chunk's
+    own rows, or the ring for a page a decode completes) and 4-bit pages, against the method's cache read by hand;
+    decode-only steps also padded into the graph buffers."""
+    sim = Sim(WINDOWS, fmt=fmt, num_slots=6, static=static)
+    steps = [[("a", 40)], [("a", 1), ("b", 23)], [("a", 1), ("b", 1), ("c", 45)]]
+    steps += [[("a", 1), ("b", 1), ("c", 1)]] * 18 + [[("a", 1), ("c", 1), ("b", 33)], [("b", 1), ("a", 7)]]
+    for batch in steps:
+        got, expected = sim.step(batch)
+        torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-4)
+    assert sim.tiers.quantized(sim.tiers.sink + 90) > 0  # the 2-bit tier was read
+
+
+def test_channel_pages_written_whole_equal_the_store_demotion():
+    """Channel pages vLLM writes when they complete hold, bit for bit, what the store's demotion writes."""
+    from oscarkv.cache import PagedStore
+
+    sim = Sim(WINDOWS, fmt=CHANNEL2_TOKEN4)
+    for batch in ([("a", 37)], *[[("a", 1)]] * 30):
+        sim.step(batch)
+    n = 67
+    k16, v16 = (sim.rot(torch.stack(x), mu, r, f)[1] for x, mu, r, f in
+                zip(sim.hist["a"], (sim.p.mu_k, sim.p.mu_v), (sim.p.r_k, sim.p.r_v), CHANNEL2_TOKEN4))
+    st = PagedStore([CHANNEL2_TOKEN4], WINDOWS, PageGeometry(2, 64, 16), num_slots=1, num_pages=8, max_pages=8,
+                    dtype16=torch.bfloat16, device="cpu")
+    st.reserve(0, n)
+    st.write(0, 0, k16, v16)
+    st.commit(0, n)
+    q = WINDOWS.quantized(n)
+    table = sim.tables["a"]
+    for which, (vllm_pages, store_pages) in enumerate(zip(sim.pages, (st.k_pages[0], st.v_pages[0]))):
+        for j in range(q // 16):  # tier page j: vLLM block S/16 + j of sequence a, store page j of slot 0
+            vb, sb = table[WINDOWS.sink // 16 + j], st.table.pages[0][j]
+            for name in ("codes", "scale", "offset"):
+                assert torch.equal(getattr(vllm_pages, name)[vb], getattr(store_pages, name)[sb]), (which, j, name)

@@ -1,26 +1,20 @@
 """``quant_step``'s general path (steps with prefill chunks, and every step without windows) rotates q, k, v and
 unrotates the output with the ``rotate_rows`` op (one launch per tensor on CUDA). Pinned here to the float32
 reference path it replaced (``rotate_rows_ref`` products, then ``.to`` casts): bit for bit on CPU, where the op is
-that reference, for outputs, 2-bit pages and 16-bit rings; and through the Triton kernel in the interpreter."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+that reference, for outputs, 2-bit pages and 16-bit rings; and through the Triton kernel in the interpreter (the
+root conftest sets it before any kernel import)."""
 
 import pytest
-import test_core
 import torch
-from test_core import Sim
+import vllm_sim
+from vllm_sim import NO_WINDOWS, SINK_ONLY, WINDOWS, Sim
 
 import oscarkv.integrations.vllm.core as core
-from oscarkv.integrations.vllm.options import Tiering
 from oscarkv.kernels.layout import QuantPages
 from oscarkv.kernels.reference import rotate_rows_ref
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-TIERS = {"windows": Tiering(sink=16, window=16, page=16), "sink_only": Tiering(sink=16, window=0, page=16),
-         "no_windows": Tiering(0, 0, 16, enabled=False)}
+TIERS = {"windows": WINDOWS, "sink_only": SINK_ONLY, "no_windows": NO_WINDOWS}
 # decodes first; chunks with and without a stored prefix, two chunks in one step, decode-only steps between
 STEPS = [[("a", 40)], [("a", 1), ("b", 23)], [("a", 1), ("b", 1), ("c", 45)], [("a", 1), ("b", 1), ("c", 1)],
          [("a", 1), ("b", 1), ("c", 1)], [("a", 1), ("c", 1), ("b", 33)], [("b", 1), ("a", 7), ("d", 18)]]
@@ -151,7 +145,7 @@ def test_general_path_equals_old_float32_reference_path(monkeypatch, tiers, act,
     """Mixed steps (prefill chunks + decodes), with and without windows, dtype16 equal to and different from the
     activation dtype, every kind of output buffer: outputs, pages and rings bit-identical to the old path."""
     twin = Twin(act)
-    monkeypatch.setattr(test_core, "quant_step", twin)
+    monkeypatch.setattr(vllm_sim, "quant_step", twin)
     sim = make_sim(TIERS[tiers], dtype16)
     for batch in STEPS:
         sim.step(batch)
@@ -190,7 +184,7 @@ def test_general_path_rotates_with_four_rotate_rows_calls(monkeypatch, act, dtyp
     """q, k, v and the output: one rotate_rows call each, outputs written in their final dtypes (no float32 tensor
     unless the result itself is float32), the result straight into ``out``."""
     counting = Counting(monkeypatch, act)
-    monkeypatch.setattr(test_core, "quant_step", counting)
+    monkeypatch.setattr(vllm_sim, "quant_step", counting)
     sim = make_sim(TIERS["windows"], dtype16)
     for batch in STEPS:
         sim.step(batch)
@@ -213,75 +207,8 @@ def test_general_path_rotates_with_four_rotate_rows_calls(monkeypatch, act, dtyp
             assert res.dtype == F32
 
 
-SCRIPT = r'''
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-import oscarkv.integrations.vllm.core as core
-from oscarkv.kernels import dispatch
-from oscarkv.kernels.rotate_triton import rotate_rows_triton
-import test_core
-from test_core_prefill_rotation import STEPS, TIERS, clone_state, make_sim, old_general_path
-
-calls = [0]
-
-
-def rotate(*a, **kw):
-    calls[0] += 1
-    return rotate_rows_triton(*a, **kw)
-
-
-triton_ops = (dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention, rotate)
-ref_ops = core.ops()
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-worst = {}
-for act, dtype16 in [(BF16, BF16), (F32, BF16), (F16, BF16), (F32, F32)]:
-    for name in ("windows", "no_windows"):
-        def twin(q, k, v, kv, pools, p, m, out=None):
-            q, k, v = (x.to(act) for x in (q, k, v))
-            kv_old, pools_old = clone_state(kv, pools)
-            core.ops = lambda: ref_ops
-            old = old_general_path if pools is None or m.prefills else core.quant_step  # decode-only: _decode_step
-            want = old(q, k, v, kv_old, pools_old, p, m)
-            core.ops = lambda: triton_ops
-            got = core.quant_step(q, k, v, kv, pools, p, m)
-            w = worst.setdefault((act, dtype16, name), [0.0] * 4)
-            w[0] = max(w[0], ((got - want).norm() / want.norm()).item())
-            for a, b in zip(pools or (), pools_old or ()):
-                a, b = a.double(), b.double()
-                top = b.abs().max()
-                w[1] = max(w[1], ((a - b).abs() / b.abs().clamp_min(1e-3 * top)).max().item())  # in 16-bit ulps
-                w[2] = max(w[2], ((a - b).abs().max() / top).item())
-            for a, b in zip(kv, kv_old):
-                w[3] = max(w[3], (a.codes != b.codes).float().mean().item())
-            for a, b in zip(kv, kv_old):  # the next step starts from the reference's cache: no drift
-                for f in ("codes", "scale", "offset"):
-                    getattr(a, f).copy_(getattr(b, f))
-            for a, b in zip(pools or (), pools_old or ()):
-                a.copy_(b)
-            return got
-        test_core.quant_step = twin
-        sim = make_sim(TIERS[name], dtype16)
-        for batch in STEPS:
-            sim.step(batch)
-for key, w in worst.items():
-    print("WORST", key, ["%.3g" % x for x in w])
-for (act, dtype16, name), (out_err, ring_ulp, ring_err, code_frac) in worst.items():
-    # the interpreter casts float32 -> bfloat16 by truncation (the GPU rounds to nearest): bfloat16 results are
-    # one ulp off the reference's in about half the elements, float16 ones (rounded) in a few percent
-    out_tol = 1e-5 if act == dtype16 == F32 else 1e-2 if act == F32 else 2.5e-2
-    assert out_err < out_tol, (act, dtype16, name, out_err)
-    if dtype16 == F32:
-        assert ring_err < 1e-5, (act, dtype16, name, ring_err)
-    else:  # within one 16-bit ulp (2^-7 relative for bfloat16), away from values near zero
-        assert ring_ulp <= 2.0 ** -7, (act, dtype16, name, ring_ulp)
-    assert code_frac < (1e-4 if act == dtype16 == F32 else 5e-3), (act, dtype16, name, code_frac)
-assert calls[0] >= 4 * (5 + len(STEPS)) * 4, calls
-print("OK", calls)
-'''
-
-
 @pytest.mark.interpret
-def test_general_path_through_the_triton_rotate_kernel():
+def test_general_path_through_the_triton_rotate_kernel(monkeypatch):
     """The Triton rotate_rows kernel (interpreter on CPU; the other ops the reference) through quant_step's general
     and decode paths against the old float32 reference path, each step from the same cache. Tolerances: output
     relative Frobenius error < 1e-5 with float32 activations and tiers, < 1e-2 with float32 activations and
@@ -289,7 +216,55 @@ def test_general_path_through_the_triton_rotate_kernel():
     rounds); 16-bit ring rows within one ulp (2^-7 relative), float32 rings within 1e-5 of their largest value;
     under 0.5 % of the 2-bit code bytes different (0.01 % in float32)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
+    from oscarkv.kernels import dispatch
+    from oscarkv.kernels.rotate_triton import rotate_rows_triton
+
+    calls = [0]
+
+    def rotate(*a, **kw):
+        calls[0] += 1
+        return rotate_rows_triton(*a, **kw)
+
+    triton_ops = (dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention, rotate)
+    ref_ops = core.ops()
+    worst = {}
+    for act, dtype16 in [(BF16, BF16), (F32, BF16), (F16, BF16), (F32, F32)]:
+        for name in ("windows", "no_windows"):
+            def twin(q, k, v, kv, pools, p, m, out=None, act=act, dtype16=dtype16, name=name):
+                q, k, v = (x.to(act) for x in (q, k, v))
+                kv_old, pools_old = clone_state(kv, pools)
+                monkeypatch.setattr(core, "ops", lambda: ref_ops)
+                old = old_general_path if pools is None or m.prefills else core.quant_step  # decode-only: _decode_step
+                want = old(q, k, v, kv_old, pools_old, p, m)
+                monkeypatch.setattr(core, "ops", lambda: triton_ops)
+                got = core.quant_step(q, k, v, kv, pools, p, m)
+                w = worst.setdefault((act, dtype16, name), [0.0] * 4)
+                w[0] = max(w[0], ((got - want).norm() / want.norm()).item())
+                for a, b in zip(pools or (), pools_old or ()):
+                    a, b = a.double(), b.double()
+                    top = b.abs().max()
+                    w[1] = max(w[1], ((a - b).abs() / b.abs().clamp_min(1e-3 * top)).max().item())  # in 16-bit ulps
+                    w[2] = max(w[2], ((a - b).abs().max() / top).item())
+                for a, b in zip(kv, kv_old):
+                    w[3] = max(w[3], (a.codes != b.codes).float().mean().item())
+                for a, b in zip(kv, kv_old):  # the next step starts from the reference's cache: no drift
+                    for f in ("codes", "scale", "offset"):
+                        getattr(a, f).copy_(getattr(b, f))
+                for a, b in zip(pools or (), pools_old or ()):
+                    a.copy_(b)
+                return got
+            monkeypatch.setattr(vllm_sim, "quant_step", twin)
+            sim = make_sim(TIERS[name], dtype16)
+            for batch in STEPS:
+                sim.step(batch)
+    for (act, dtype16, name), (out_err, ring_ulp, ring_err, code_frac) in worst.items():
+        # the interpreter casts float32 -> bfloat16 by truncation (the GPU rounds to nearest): bfloat16 results are
+        # one ulp off the reference's in about half the elements, float16 ones (rounded) in a few percent
+        out_tol = 1e-5 if act == dtype16 == F32 else 1e-2 if act == F32 else 2.5e-2
+        assert out_err < out_tol, (act, dtype16, name, out_err)
+        if dtype16 == F32:
+            assert ring_err < 1e-5, (act, dtype16, name, ring_err)
+        else:  # within one 16-bit ulp (2^-7 relative for bfloat16), away from values near zero
+            assert ring_ulp <= 2.0 ** -7, (act, dtype16, name, ring_ulp)
+        assert code_frac < (1e-4 if act == dtype16 == F32 else 5e-3), (act, dtype16, name, code_frac)
+    assert calls[0] >= 4 * (5 + len(STEPS)) * 4, calls

@@ -3,13 +3,15 @@
 import pytest
 import torch
 
+from oscarkv import methods
 from oscarkv.artifact import Calibration, ModelIdentity
+from oscarkv.cache import TierPolicy, policy_for
 from oscarkv.integrations.vllm.options import (
     OscarOptions,
     OscarVllmError,
     ServedModel,
-    Tiering,
     check_model,
+    check_served,
     load_calibration,
     resolve_recipe,
 )
@@ -31,7 +33,7 @@ def test_no_section_means_not_requested():
 @pytest.mark.parametrize("section, match", [
     ({"calibraton": "x"}, "unknown key"),
     ({"method": "oscar-fast"}, "unknown oscar.method"),
-    ({"method": "kivi-2", "calibration": "."}, "per channel"),
+    ({"method": "kivi-2", "calibration": "."}, "residual window without a sink"),
     ({}, "calibration is required"),
     ({"calibration": "/does/not/exist"}, "not a folder"),
     ({"method": "bf16", "max_seqs": 0}, "max_seqs"),
@@ -75,12 +77,37 @@ def test_recipe_follows_the_method_registry(tmp_path):
     assert not resolve_recipe(OscarOptions(method="bf16"), calib).quantized
 
 
+def _recipe(layer_formats=None, method="oscar"):
+    calib = Calibration.identity(LLAMA.identity())
+    calib.layer_formats = layer_formats
+    return methods.resolve(method, calib)
+
+
 def test_block_size_must_tile_sink_and_pages():
-    Tiering(64, 256, 64).check_block_size(64)
-    Tiering(64, 256, 64).check_block_size(16)
+    r = _recipe()
+    check_served(r, policy_for(r), 64, 4, 4)
+    check_served(r, policy_for(r), 16, 4, 4)
     with pytest.raises(OscarVllmError, match="block_size=64"):
-        Tiering(64, 256, 64).check_block_size(128)
-    Tiering(0, 0, 1, enabled=False).check_block_size(128)
+        check_served(r, policy_for(r), 128, 4, 4)
+    nowin = _recipe(method="oscar-nowindow")
+    check_served(nowin, policy_for(nowin), 128, 4, 4)
+
+
+CHANNEL = [{"k": {"layout": "channel", "bits": 4, "rotation": "none"}, "v": {"layout": "token", "bits": 2}},
+           {"k": {"layout": "token", "bits": 2}, "v": {"layout": "token", "bits": 4}}]
+
+
+def test_channel_page_layers_need_their_own_blocks_windows_and_slots():
+    r = _recipe(CHANNEL, "oscar-auto")
+    pol = policy_for(r)
+    check_served(r, pol, 64, 8, 8)
+    with pytest.raises(OscarVllmError, match=r"layers \[0\] store keys in channel pages of 64 tokens: start vLLM "
+                                             "with --block-size 64"):
+        check_served(r, pol, 16, 8, 8)
+    with pytest.raises(OscarVllmError, match="oscar.max_seqs"):
+        check_served(r, pol, 64, 4, 8)
+    with pytest.raises(OscarVllmError, match="need the 16-bit windows"):
+        check_served(r, TierPolicy(0, 0, 64), 64, 8, 8)
 
 
 def test_tensor_parallel_kv_heads():
@@ -96,14 +123,11 @@ def test_identity_calibration_when_none_is_given():
     assert isinstance(calib.model, ModelIdentity)
 
 
-def test_per_layer_formats_are_refused_only_for_per_layer_methods(tmp_path):
+def test_per_layer_formats_are_served(tmp_path):
     calib = Calibration.identity(LLAMA.identity())
-    calib.layer_formats = [{"k": {"layout": "channel", "bits": 4, "rotation": "none"},
-                            "v": {"layout": "token", "bits": 2}},
-                           {"k": {"layout": "token", "bits": 2}, "v": {"layout": "token", "bits": 2}}]
+    calib.layer_formats = CHANNEL
     path = str(calib.save(tmp_path / "auto"))
-    opts = OscarOptions(calibration=path)
-    loaded = load_calibration(opts, LLAMA)  # plain oscar serves it, ignoring the per-layer formats
-    assert len(set(resolve_recipe(opts, loaded).formats)) == 1
-    with pytest.raises(OscarVllmError, match="per-layer formats.*one format"):
-        resolve_recipe(OscarOptions(calibration=path, method="oscar-auto"), loaded)
+    loaded = load_calibration(OscarOptions(calibration=path), LLAMA)
+    assert len(set(resolve_recipe(OscarOptions(calibration=path), loaded).formats)) == 1  # oscar ignores them
+    auto = resolve_recipe(OscarOptions(calibration=path, method="oscar-auto"), loaded)
+    assert auto.formats == (loaded.formats(0), loaded.formats(1))

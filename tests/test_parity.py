@@ -1,0 +1,65 @@
+"""One per-layer artifact with mixed formats (channel and token keys, 2 and 4 bits) gives identical greedy tokens
+through the transformers integration (the ``oscarkv generate`` path) and ``oscarkv.LLM``, on a tiny random model
+and on SmolLM2-135M. (The vLLM plugin's part of the parity runs in its own CI stage, ``scripts/ci_vllm.sh``:
+``tests/integrations/vllm/test_engine.py``; the three writers' 2-bit pages are compared bit for bit in
+``tests/integrations/vllm/test_core.py``.)"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from oscarkv import hf as ohf  # noqa: E402
+from oscarkv.artifact import ModelIdentity  # noqa: E402
+from oscarkv.config import QuantSpec  # noqa: E402
+from oscarkv.engine import LLM, SamplingParams  # noqa: E402
+
+from parity_helpers import mixed_calibration  # noqa: E402
+
+SPEC = QuantSpec(sink=16, window=16, page_size=16)
+
+
+def _hf_greedy(model, calib, prompt, n):
+    """What ``oscarkv generate`` runs: hf.apply, then transformers' generate with the handle's cache."""
+    with ohf.apply(model, calib, "oscar-auto") as handle, torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             cache=handle.cache(), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine_greedy(model, calib, prompts, n):
+    llm = LLM(model, calib, kv="oscar", kv_budget_gb=0.05, max_num_seqs=4)
+    assert llm.recipe.method.name == "oscar-auto" and len(set(llm.store.formats)) == 4
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+
+
+def test_mixed_formats_same_greedy_tokens_in_transformers_and_engine():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      initializer_range=0.3, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    calib = mixed_calibration(ModelIdentity.from_config(cfg), SPEC)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (37, 90)]
+    n = 40  # both cross several page demotions of every format, by prefill chunks and by decoding
+    want = [_hf_greedy(model, calib, p, n) for p in prompts]
+    assert _engine_greedy(model, calib, prompts, n) == want
+
+
+@pytest.mark.slow
+def test_mixed_formats_same_greedy_tokens_on_smollm2():
+    from oscarkv import models
+
+    try:
+        model, tok = models.load("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the registry package is optional
+        pytest.skip(f"SmolLM2 not available: {e}")
+    calib = mixed_calibration(ModelIdentity.from_config(model.config), QuantSpec(sink=64, window=64, page_size=64),
+                              mean_scale=0.0)
+    prompts = [tok("The three most important ideas of the paper are")["input_ids"] * 12]  # 120+ tokens
+    n = 32
+    want = [_hf_greedy(model, calib, p, n) for p in prompts]
+    assert _engine_greedy(model, calib, prompts, n) == want
