@@ -73,6 +73,31 @@ class ModelIdentity:
     head_dim: int
     hidden_size: int
     name: str = ""
+    # per layer "full_attention" or another attention type (e.g. "sliding_attention") where the model mixes them;
+    # None: every layer attends over the whole sequence (or an artifact written before this field)
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers:
+                raise ArtifactError(f"layer_types has {len(types)} entries for {self.num_layers} layers")
+            object.__setattr__(self, "layer_types", types)
+
+    @property
+    def full_attention(self) -> list[bool]:
+        """Per layer: True where the layer attends over the whole sequence (where OSCAR quantizes)."""
+        if self.layer_types is None:
+            return [True] * self.num_layers
+        return [t == "full_attention" for t in self.layer_types]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["layer_types"] is None:  # omitted for full-attention models: their artifacts stay as before the key
+            del d["layer_types"]
+        else:
+            d["layer_types"] = list(d["layer_types"])
+        return d
 
     @classmethod
     def from_config(cls, config: Any, name: str = "") -> ModelIdentity:
@@ -88,6 +113,8 @@ class ModelIdentity:
             )
         n_q = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+        types = getattr(cfg, "layer_types", None)
+        types = tuple(types) if types is not None and any(t != "full_attention" for t in types) else None
         return cls(
             architecture=arch,
             num_layers=cfg.num_hidden_layers,
@@ -96,6 +123,7 @@ class ModelIdentity:
             head_dim=head_dim,
             hidden_size=cfg.hidden_size,
             name=name or getattr(cfg, "_name_or_path", "") or "",
+            layer_types=types,
         )
 
     def differences(self, other: ModelIdentity) -> list[str]:
@@ -105,6 +133,8 @@ class ModelIdentity:
             a, b = getattr(self, key), getattr(other, key)
             if a != b:
                 out.append(f"{key}: calibration has {a!r}, model has {b!r}")
+        if self.layer_types is not None and other.layer_types is not None and self.layer_types != other.layer_types:
+            out.append("layer_types: the calibration's attention type per layer differs from the model's")
         return out
 
 
@@ -233,7 +263,7 @@ class Calibration:
             "format": "oscarkv-calibration",
             "format_version": FORMAT_VERSION,
             "spec": self.spec.to_dict(),
-            "model": asdict(self.model),
+            "model": self.model.to_dict(),
             "provenance": self.provenance,
             "layer_formats": self.layer_formats,
             "files": {TENSOR_FILE: {"sha256": _sha256(tmp), "bytes": tmp.stat().st_size}},

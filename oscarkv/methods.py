@@ -247,7 +247,7 @@ def _zero_means(c: Calibration) -> bool:
 def layer_format(m: Method, c: Calibration, i: int) -> LayerFormat | None:
     """Layer ``i``'s format under method ``m``: the calibration's selection for per-layer methods, else the
     method's (code width, rotation, clip, key layout) with the calibration's clip ratios where it says so."""
-    if not m.quantized:
+    if not m.quantized or not c.model.full_attention[i]:  # sliding-window layers keep the model's own cache
         return None
     if m.per_layer:
         return c.formats(i)

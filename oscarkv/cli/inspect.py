@@ -60,6 +60,7 @@ def format_summary(calib: Any, path: str | Path | None = None) -> str:
         f"{calib.bits_per_element():.3f} bits/element in the quantized tier (sink {s.sink}, window {s.window} "
         "tokens stay 16-bit)",
     ]
+    lines.append(f"quantized    {quantized_layers_line(calib)}")
     if "wall_time_s" in p:
         lines.append(f"calibrated   in {p['wall_time_s']:.1f} s with oscarkv {p.get('oscarkv_version')}, torch "
                      f"{p.get('torch_version')}, transformers {p.get('transformers_version')}")
@@ -78,6 +79,20 @@ def format_summary(calib: Any, path: str | Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def quantized_layers_line(calib: Any) -> str:
+    """Which layers the cache quantizes: the full-attention ones (the others keep the model's own cache)."""
+    from oscarkv.formats import describe_layers
+
+    m = calib.model
+    full = [i for i, f in enumerate(m.full_attention) if f]
+    line = f"layers {describe_layers(full, m.num_layers)}"
+    if len(full) < m.num_layers:
+        kinds = sorted({t for t in m.layer_types if t != "full_attention"})
+        line += (f" (full attention); the {m.num_layers - len(full)} {'/'.join(kinds)} layers are not quantized "
+                 "(they keep the model's own cache, at its dtype)")
+    return line
+
+
 def format_rows(calib: Any) -> list[dict]:
     """Per layer: the selected key/value formats and their predicted held-out errors (empty without
     ``layer_formats``)."""
@@ -85,9 +100,8 @@ def format_rows(calib: Any) -> list[dict]:
         return []
     rows = []
     for i, entry in enumerate(calib.layer_formats):
-        k, v = calib.formats(i)
-        rows.append({"layer": i, "k": k.label, "v": v.label, "k_error": entry.get("k_error"),
-                     "v_error": entry.get("v_error")})
+        k, v = (f.label for f in calib.formats(i)) if calib.model.full_attention[i] else ("not quantized",) * 2
+        rows.append({"layer": i, "k": k, "v": v, "k_error": entry.get("k_error"), "v_error": entry.get("v_error")})
     return rows
 
 
@@ -101,8 +115,8 @@ def format_lines(calib: Any) -> list[str]:
     sel = calib.provenance.get("format_selection", {})
     budget = sel.get("budget", calib.spec.bit_budget)
     bits = nominal_bits("oscar-auto", calib.model.head_dim, calib)
-    lines = ["", f"per-layer formats (method oscar-auto): {bits:.3f} bits/element in the quantized tier, "
-             f"budget {budget}",
+    lines = ["", f"per-layer formats (method oscar-auto): {bits:.3f} bits/element in the quantized tier of the "
+             f"quantized layers, budget {budget}",
              "layer  key format                   pred. K err  value format                 pred. V err"]
     for r in rows:
         ke = "-" if r["k_error"] is None else f"{r['k_error']:.4f}"
@@ -146,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
     calib = Calibration.load(args.path)  # a damaged artifact: ArtifactError, one line on stderr (oscarkv.cli)
     if args.json:
-        print(json.dumps({"model": calib.model.__dict__, "spec": calib.spec.to_dict(), "layers": summary_rows(calib),
+        full = [i for i, f in enumerate(calib.model.full_attention) if f]
+        print(json.dumps({"model": calib.model.to_dict(), "spec": calib.spec.to_dict(), "layers": summary_rows(calib),
+                          "quantized_layers": full,
                           "bits_per_element": calib.bits_per_element(), "layer_formats": format_rows(calib),
                           "provenance": calib.provenance}, indent=2))
     else:

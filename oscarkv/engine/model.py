@@ -54,8 +54,14 @@ class ModelConfig:
         arch = cfg.model_type
         if arch not in ARCHS:
             raise ValueError(f"model type {arch!r} is not supported by the engine; supported: {list(ARCHS)}")
-        if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_bias", False):
-            raise ValueError("sliding-window attention and MLP biases are not supported by the engine")
+        types = getattr(cfg, "layer_types", None) or ()
+        sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+        if sliding or (not types and getattr(cfg, "use_sliding_window", False)):
+            raise ValueError(f"the engine serves full-attention models; layers {sliding or 'all'} of this model use "
+                             "sliding-window attention: run it with `oscarkv generate` (the transformers "
+                             "integration quantizes its full-attention layers)")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("MLP biases are not supported by the engine")
         rope = getattr(cfg, "rope_parameters", None) or {}
         return cls(
             arch=arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -23,6 +23,7 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("oscarkv.hf needs transformers: pip install 'oscar-kv[hf]'") from e
 
 from ..cache import Bytes, PagedStore, chunk_attention, growable_store
+from ..formats import describe_layers
 from .prepare import ATTN_NAME, PLAN_ATTR, Applied, LayerPlan
 
 
@@ -235,7 +236,7 @@ class OscarCache(Cache):
         if not isinstance(handle, Applied) or not handle.active:
             raise TypeError("OscarCache needs an active handle from oscarkv.hf.apply(model, calibration, method)")
         self.handle = handle
-        dtype16 = window_dtype or handle.window_dtype
+        dtype16 = self.window_dtype = window_dtype or handle.window_dtype
         cfg = handle.model.config.get_text_config(decoder=True)
         layers = [OscarLayer(handle.plans[i], dtype16, kernel_backend) if i in handle.plans else _plain_layer(cfg, i)
                   for i in range(cfg.num_hidden_layers)]
@@ -259,7 +260,9 @@ class OscarCache(Cache):
         return cls(handle, window_dtype)
 
     def nbytes(self) -> Bytes:
-        """Physical bytes of all layers (see :class:`oscarkv.cache.Bytes`): used vs allocated."""
+        """Physical bytes of all layers (see :class:`oscarkv.cache.Bytes`), each at its real dtype: the OSCAR layers'
+        quantized pages and 16-bit tiers, and the K/V other layers (sliding-window layers) hold in the model's
+        own cache (``used_unquantized``; float32 on a float32 model)."""
         total = Bytes()
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
@@ -267,17 +270,29 @@ class OscarCache(Cache):
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 kb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 el = layer.keys.numel() + layer.values.numel()
-                total = total + Bytes(tokens=layer.keys.shape[0] * layer.keys.shape[2], used_16bit=kb, allocated=kb,
-                                      bf16_equivalent=2 * el, elements=el)
+                total = total + Bytes(tokens=layer.keys.shape[0] * layer.keys.shape[2], used_unquantized=kb,
+                                      allocated=kb, bf16_equivalent=2 * el, elements=el)
         return total
 
+    @property
+    def quantized_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, OscarLayer)]
+
     def memory_report(self) -> str:
-        """One line: stored bytes against the same tokens in a 16-bit cache."""
-        b = self.nbytes()
-        return (f"KV cache: {b.used / 2**20:.2f} MiB stored ({b.used_quantized / 2**20:.2f} MiB quantized + "
-                f"{b.used_16bit / 2**20:.2f} MiB 16-bit) vs {b.bf16_equivalent / 2**20:.2f} MiB in 16-bit: "
-                f"ratio {b.ratio_to_bf16:.3f}, {b.bits_per_element:.2f} bits/element; "
-                f"{b.allocated / 2**20:.2f} MiB allocated")
+        """One line: which layers are quantized, stored bytes by kind at their real dtypes, against the same tokens
+        in a 16-bit cache, and the physical bits per stored element."""
+        b, mib = self.nbytes(), 2**20
+        q = self.quantized_layers
+        other = ""
+        if len(q) < len(self.layers):
+            dtypes = sorted({str(layer.keys.dtype).replace("torch.", "") for layer in self.layers
+                             if not isinstance(layer, OscarLayer) and getattr(layer, "keys", None) is not None})
+            other = f" + {b.used_unquantized / mib:.2f} MiB in unquantized layers ({', '.join(dtypes) or '-'})"
+        dtype16 = str(self.window_dtype).replace("torch.", "")
+        return (f"KV cache (quantized layers {describe_layers(q, len(self.layers))}): {b.used / mib:.2f} MiB stored "
+                f"({b.used_quantized / mib:.2f} MiB quantized + {b.used_16bit / mib:.2f} MiB {dtype16} sink/window"
+                f"{other}) vs {b.bf16_equivalent / mib:.2f} MiB in 16-bit: ratio {b.ratio_to_bf16:.3f}, "
+                f"{b.bits_per_element:.2f} bits/element; {b.allocated / mib:.2f} MiB allocated")
 
 
 __all__ = ["OscarCache", "OscarLayer"]

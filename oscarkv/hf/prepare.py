@@ -115,11 +115,9 @@ def _text_config(model: nn.Module):
 
 def full_attention_layers(config) -> list[bool]:
     """Per layer: True where the layer attends over the whole sequence (OSCAR applies), False for
-    sliding-window or chunked layers."""
+    sliding-window or chunked layers (:attr:`oscarkv.artifact.ModelIdentity.full_attention`)."""
     types = getattr(config, "layer_types", None)
-    if types is None:
-        return [True] * config.num_hidden_layers
-    return [t == "full_attention" for t in types]
+    return [True] * config.num_hidden_layers if types is None else [t == "full_attention" for t in types]
 
 
 def _fingerprint(calibration: Calibration, method: str) -> str:

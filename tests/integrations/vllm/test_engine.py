@@ -2,8 +2,9 @@
 2 shared cores), so the module keeps them few and shares them between tests. Run by ``scripts/ci_vllm.sh``.
 
 Engines: vLLM's own CPU backend (plugin not loaded), the plugin with method ``bf16``, OSCAR at TP=1 and TP=2 on a
-tiny random Llama, OSCAR on SmolLM2-135M (against the transformers integration), and one start that must fail.
-They run three at a time (OSCARKV_VLLM_TEST_JOBS).
+tiny random Llama, a per-layer artifact with mixed formats (``oscar-auto``) on the tiny Llama and on SmolLM2-135M
+(greedy tokens equal to the transformers integration's and the engine's), OSCAR on SmolLM2-135M (against the
+transformers integration), and one start that must fail. They run three at a time (OSCARKV_VLLM_TEST_JOBS).
 """
 
 import json
@@ -22,8 +23,9 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 from hf_reference import kl, teacher_forced_logprobs, vllm_model_dir  # noqa: E402
+from parity_helpers import mixed_calibration  # noqa: E402
 
 WORK = Path(os.environ.get("OSCARKV_VLLM_TEST_DIR", "/tmp/oscarkv-vllm-tests"))
 PROMPTS = [list(range(1, 301)), list(range(7, 201, 2))]  # 300 and 97 tokens: the 2-bit tier is in use
@@ -77,6 +79,42 @@ def tiny() -> tuple[str, str]:
     return str(model_dir), str(calib_dir)
 
 
+@lru_cache(maxsize=None)
+def mixed(model_dir: str) -> str:
+    """A per-layer artifact with mixed formats (channel and token keys, 2 and 4 bits) for the model in
+    ``model_dir``; sink 64, window 64, pages of 64 (vLLM blocks of 64)."""
+    from transformers import AutoConfig
+
+    from oscarkv.artifact import ModelIdentity
+    from oscarkv.config import QuantSpec
+
+    ident = ModelIdentity.from_config(AutoConfig.from_pretrained(model_dir))
+    out = WORK / f"mixed-{Path(model_dir).name}"
+    mixed_calibration(ident, QuantSpec(sink=64, window=64, page_size=64), mean_scale=0.1).save(out)
+    return str(out)
+
+
+def oscarkv_greedy(model_dir: str, calib: str, prompts: list, n: int) -> tuple[list, list]:
+    """Greedy tokens of the transformers integration (the ``oscarkv generate`` path) and of ``oscarkv.LLM``."""
+    from transformers import AutoModelForCausalLM
+
+    from oscarkv import hf
+    from oscarkv.artifact import Calibration
+    from oscarkv.engine import LLM, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    calibration = Calibration.load(calib, model)
+    via_hf = []
+    for p in prompts:
+        with hf.apply(model, calibration, "oscar-auto") as handle, torch.inference_mode():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 cache=handle.cache(), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        via_hf.append(out[0, len(p):].tolist())
+    llm = LLM(model, calibration, kv="oscar", method="oscar-auto", kv_budget_gb=0.2, max_num_seqs=4)
+    via_llm = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+    return via_hf, via_llm
+
+
 _POOL = ThreadPoolExecutor(max_workers=int(os.environ.get("OSCARKV_VLLM_TEST_JOBS", "3")))
 _RUNS: dict = {}
 
@@ -110,12 +148,16 @@ def _specs() -> dict:
         "builtin": (base, {"VLLM_PLUGINS": ""}),
         "bf16": ({**base, "oscar": {"method": "bf16"}}, None),
         "bad_artifact": ({**base, "max_tokens": 2, "oscar": {"calibration": str(other)}}, None),
+        "mixed": ({**base, "oscar": {"calibration": mixed(model), "method": "oscar-auto"}}, None),
     }
     if SMOL_CACHE.is_dir():
         smodel, scalib, method, prompts = _smol()
         specs["smol"] = ({"model": smodel, "block_size": 64, "max_tokens": 24, "max_model_len": 2048,
                           "prompts": prompts, "oscar": {"calibration": scalib, "method": method},
                           "full_logprobs": str(WORK / "smol-logprobs.pt")}, None)
+        specs["smol_mixed"] = ({"model": smodel, "block_size": 64, "max_tokens": 24, "max_model_len": 2048,
+                                "prompts": [p[:300] for p in prompts],
+                                "oscar": {"calibration": mixed(smodel), "method": "oscar-auto"}}, None)
     return specs
 
 
@@ -151,7 +193,8 @@ def test_oscar_kv_capacity_grows_by_the_byte_ratio():
     (_, ref_log), (got, log) = engine("builtin"), engine("oscar")
     assert got is not None, log[-3000:]
     dense_per_token = 2 * 2 * 64 * 4  # K and V, 2 KV heads, d=64, float32 model
-    oscar_per_token = page_bytes(PageFormat(num_kv_heads=2, head_dim=64, page_size=64)) / 64
+    fmt = PageFormat(num_kv_heads=2, head_dim=64, page_size=64)
+    oscar_per_token = page_bytes(fmt, fmt) / 64
     ratio = kv_capacity(log) / kv_capacity(ref_log)
     assert abs(ratio / (dense_per_token / oscar_per_token) - 1) < 0.01, ratio
     print(f"KV capacity: vLLM builtin {kv_capacity(ref_log):,} tokens, OSCAR {kv_capacity(log):,} ({ratio:.2f}x)")
@@ -190,3 +233,33 @@ def test_smollm2_matches_the_transformers_integration():
         assert kl_pair < 0.01 and kl_pair < 0.2 * max(float(kl_hf), 1e-3)
         assert abs(kl_vllm - kl_hf) < 0.25 * kl_hf + 2e-3
         assert agree >= 0.9
+
+
+def test_mixed_formats_same_greedy_tokens_as_transformers_and_engine():
+    """A per-layer artifact (layer 0: 2-bit channel-page keys, 4-bit values; layer 1: 4-bit token keys, 2-bit
+    values) through vLLM + OSCAR gives the greedy tokens of the transformers integration and of oscarkv.LLM; vLLM
+    holds each layer in its own page size (capacity = budget / the layers' summed bytes per token)."""
+    from oscarkv.cache import PageGeometry
+    from oscarkv.formats import LayerFormat
+    from oscarkv.integrations.vllm.core import page_bytes
+    from parity_helpers import MIXED
+
+    (_, ref_log), (got, log) = engine("builtin"), engine("mixed")
+    assert got is not None, log[-3000:]
+    model, _ = tiny()
+    via_hf, via_llm = oscarkv_greedy(model, mixed(model), PROMPTS, 32)
+    assert [r["tokens"] for r in got] == via_hf == via_llm
+    geo = PageGeometry(2, 64, 64)
+    oscar = sum(page_bytes(*geo.page_formats(LayerFormat.from_entry(e))) for e in MIXED[:2]) / 64
+    ratio = kv_capacity(log) / kv_capacity(ref_log)
+    assert abs(ratio / (2 * 2 * 2 * 64 * 4 / oscar) - 1) < 0.01, ratio  # 2 layers of fp32 K and V vs theirs
+    print(f"KV capacity, mixed formats: {kv_capacity(log):,} tokens ({ratio:.2f}x vLLM's fp32 cache)")
+
+
+@pytest.mark.skipif(not SMOL_CACHE.is_dir(), reason="SmolLM2 safetensors cache missing (oscarkv setup + load)")
+def test_smollm2_mixed_formats_same_greedy_tokens_as_transformers_and_engine():
+    result, log = engine("smol_mixed")
+    assert result is not None, log[-3000:]
+    model, _, _, prompts = _smol()
+    via_hf, via_llm = oscarkv_greedy(model, mixed(model), [p[:300] for p in prompts], 24)
+    assert [r["tokens"] for r in result] == via_hf == via_llm
