@@ -7,16 +7,17 @@ from oscarkv.artifact import Calibration, ModelIdentity
 from oscarkv.config import QuantSpec
 from oscarkv.rotation import random_orthogonal
 
-# cycled over the layers: every key layout and width, 2- and 4-bit values, each rotation kind
+# cycled over the layers: every key layout and width, 2- and 4-bit values, each rotation kind; layers 0 and 1 differ
+# in page bytes (vLLM then keeps one page size per layer)
 MIXED = [
     {"k": {"layout": "channel", "bits": 2, "rotation": "none"}, "v": {"layout": "token", "bits": 4,
                                                                        "rotation": "calibrated", "clip": 0.9}},
-    {"k": {"layout": "token", "bits": 4, "rotation": "calibrated", "clip": 0.95},
-     "v": {"layout": "token", "bits": 2, "rotation": "hadamard", "clip": 0.9}},
-    {"k": {"layout": "channel", "bits": 4, "rotation": "calibrated"}, "v": {"layout": "token", "bits": 2,
-                                                                             "rotation": "calibrated", "clip": 0.92}},
     {"k": {"layout": "token", "bits": 2, "rotation": "hadamard", "clip": 0.96},
      "v": {"layout": "token", "bits": 2, "rotation": "none", "clip": 0.0}},
+    {"k": {"layout": "channel", "bits": 4, "rotation": "calibrated"}, "v": {"layout": "token", "bits": 2,
+                                                                             "rotation": "calibrated", "clip": 0.92}},
+    {"k": {"layout": "token", "bits": 4, "rotation": "calibrated", "clip": 0.95},
+     "v": {"layout": "token", "bits": 2, "rotation": "hadamard", "clip": 0.9}},
 ]
 
 

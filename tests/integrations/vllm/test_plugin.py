@@ -38,6 +38,17 @@ def test_register_backend_spec_and_spec_wrapper():
     spec = OscarAttentionSpec(block_size=64, num_kv_heads=8, head_size=128, dtype=torch.uint8,
                               oscar_page_bytes=36864)
     assert spec.page_size_bytes == 36864 and OscarAttentionSpec.merge([spec, spec]) == spec
+    other = OscarAttentionSpec(block_size=64, num_kv_heads=8, head_size=128, dtype=torch.uint8,
+                               oscar_page_bytes=53248)
+    with pytest.raises(AssertionError):  # vLLM's signal to keep one page size per layer (UniformTypeKVCacheSpecs)
+        OscarAttentionSpec.merge([spec, other])
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    groups = get_kv_cache_groups(types.SimpleNamespace(scheduler_config=types.SimpleNamespace(
+        disable_hybrid_kv_cache_manager=False)), {"a": spec, "b": other})
+    assert len(groups) == 1 and isinstance(groups[0].kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert groups[0].kv_cache_spec.page_size_bytes == 36864 + 53248
     bf16 = FullAttentionSpec(block_size=64, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     assert bf16.page_size_bytes / spec.page_size_bytes == 4096 / 576  # 7.1x more tokens per byte
     assert KVCacheSpecRegistry.get_manager_class(spec) is FullAttentionManager
