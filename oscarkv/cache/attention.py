@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -46,6 +47,13 @@ def scores(q: Tensor, k: Tensor, scaling: float, softcap: float | None = None) -
     return s
 
 
+def sdpa(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+    """``F.scaled_dot_product_attention`` on ``[H, T, d]`` tensors, given a batch dimension: torch's fused
+    backends (FlashAttention, memory-efficient, cuDNN) take 4-D inputs only; 3-D ones fall back to the math
+    backend, which materialises the ``[H, T, T]`` scores (61 GiB for one 32K chunk of 16 heads)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
+
+
 def chunk_attention(
     q: Tensor,
     prefix: Callable[[], Iterable[tuple[Tensor, Tensor]]],
@@ -80,4 +88,4 @@ def chunk_attention(
     return out
 
 
-__all__ = ["OnlineSoftmax", "chunk_attention", "scores"]
+__all__ = ["OnlineSoftmax", "chunk_attention", "scores", "sdpa"]

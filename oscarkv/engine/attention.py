@@ -12,20 +12,13 @@ the chunk into the store layer by layer, after that layer's attention has read t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import Paged16Store, PagedStore
+from ..cache.attention import sdpa
 from ..kernels import dispatch
 from ..kernels.layout import KVDest
 from ..kernels.plan import DecodePlan
-
-
-def sdpa(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
-    """``F.scaled_dot_product_attention`` on ``[H, T, d]`` tensors, given a batch dimension: torch's fused
-    backends (FlashAttention, memory-efficient, cuDNN) take 4-D inputs only; 3-D ones fall back to the math
-    backend, which materialises the ``[H, T, T]`` scores (61 GiB for one 32K chunk of 16 heads)."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
 
 
 class KeyRotation:

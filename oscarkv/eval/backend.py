@@ -67,7 +67,7 @@ class HFBackend:
         return base, self.extra[label]
 
     def calibration_tag(self, method: str) -> str:
-        from .session import calibration_tag
+        from .store import calibration_tag
 
         calib = self.split(method)[1]
         key = id(calib)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,26 +13,11 @@ import torch
 from torch import Tensor
 
 from .backend import Backend, final_hidden
-from .store import ResultStore, fingerprint, safe_name
+from .store import ResultStore, calibration_tag, fingerprint, safe_name
 from .texts import EvalText, bos_id, tokenize, windows
 
 
 FP32 = "fp32"
-
-
-def calibration_tag(calibration: Any) -> str:
-    """Stable short hash of a calibration's tensors and spec ("none" without one)."""
-    if calibration is None:
-        return "none"
-    h = hashlib.sha256(json.dumps(calibration.spec.to_dict(), sort_keys=True).encode())
-    for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
-        t = getattr(calibration, name, None)
-        if t is not None:
-            h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    formats = getattr(calibration, "layer_formats", None)
-    if formats is not None:  # oscar-auto's per-layer formats (absent: the tag is unchanged)
-        h.update(json.dumps(formats, sort_keys=True).encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass

@@ -30,6 +30,21 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def calibration_tag(calibration: Any) -> str:
+    """Stable short hash of a calibration's tensors and spec ("none" without one)."""
+    if calibration is None:
+        return "none"
+    h = hashlib.sha256(json.dumps(calibration.spec.to_dict(), sort_keys=True).encode())
+    for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
+        t = getattr(calibration, name, None)
+        if t is not None:
+            h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    formats = getattr(calibration, "layer_formats", None)
+    if formats is not None:  # oscar-auto's per-layer formats (absent: the tag is unchanged)
+        h.update(json.dumps(formats, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
 class ResultStore:
     """Append-only JSONL result files under ``root``."""
 
@@ -98,4 +113,4 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-__all__ = ["ResultStore", "fingerprint", "read_jsonl", "latest_run", "safe_name"]
+__all__ = ["ResultStore", "calibration_tag", "fingerprint", "read_jsonl", "latest_run", "safe_name"]

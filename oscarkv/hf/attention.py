@@ -15,7 +15,8 @@ import logging
 
 from torch import Tensor
 
-from .prepare import PLAN_ATTR
+from .plan import PLAN_ATTR
+from .simulation import simulate_attention
 
 log = logging.getLogger(__name__)
 _warned = set()
@@ -34,8 +35,6 @@ def oscar_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     if layer is not None:
         return layer.attend(module, query, key, value, attention_mask, scaling, softcap), None
     if plan is not None and plan.mode == "simulate":
-        from .simulation import simulate_attention
-
         return simulate_attention(plan, query, key, value, attention_mask, scaling, softcap), None
     if plan is not None and plan.layer not in _warned:
         _warned.add(plan.layer)

@@ -1,9 +1,9 @@
 """``OscarCache``: a transformers ``Cache`` with one :class:`OscarLayer` per full-attention layer.
 
 Each OscarLayer owns a one-layer, growable :class:`~oscarkv.cache.PagedStore` (16-bit sink + recent window,
-quantized pages in between, one slot per sequence of the batch). ``update`` does not store anything yet: it parks the chunk's new K/V, hands itself to the ``"oscar"``
-attention function through the forward's keyword arguments, and returns *sealed* tensors that raise if any
-other attention function touches them. The attention function attends to the stored prefix as stored and to the
+quantized pages in between, one slot per sequence of the batch). ``update`` does not store anything yet: it parks
+the chunk's new K/V, hands itself to the ``"oscar"`` attention function through the forward's keyword arguments,
+and returns *sealed* tensors that raise if any other attention function touches them. The attention function attends to the stored prefix as stored and to the
 chunk in full precision, then commits the chunk (``extend_attention_ref`` semantics; decode is a chunk of one).
 
 Left padding is supported: padding tokens are never stored, so every sequence of a batch keeps its own tiers
@@ -24,7 +24,8 @@ except ImportError as e:  # pragma: no cover
 
 from ..cache import Bytes, PagedStore, chunk_attention, growable_store
 from ..formats import describe_layers
-from .prepare import ATTN_NAME, PLAN_ATTR, Applied, LayerPlan
+from .. import methods
+from .plan import ATTN_NAME, HANDLE_ATTR, PLAN_ATTR, LayerPlan, fingerprint
 
 
 class _Sealed(torch.Tensor):
@@ -232,8 +233,9 @@ class OscarCache(Cache):
     ``oscarkv.kernels.dispatch.extend_attention`` (Triton on supported formats) on CUDA; a dispatch backend
     name ("reference", "triton", ...) forces the dispatch path (tests)."""
 
-    def __init__(self, handle: Applied, window_dtype: torch.dtype | None = None, kernel_backend: str | None = None):
-        if not isinstance(handle, Applied) or not handle.active:
+    def __init__(self, handle, window_dtype: torch.dtype | None = None, kernel_backend: str | None = None):
+        """``handle``: the :class:`~oscarkv.hf.prepare.Applied` of ``oscarkv.hf.apply`` (active, cache mode)."""
+        if not getattr(handle, "active", False) or getattr(handle, "mode", None) != "cache":
             raise TypeError("OscarCache needs an active handle from oscarkv.hf.apply(model, calibration, method)")
         self.handle = handle
         dtype16 = self.window_dtype = window_dtype or handle.window_dtype
@@ -246,15 +248,12 @@ class OscarCache(Cache):
     def from_calibration(cls, model, calibration, method: str = "oscar",
                          window_dtype: torch.dtype | None = None) -> "OscarCache":
         """A cache for ``model`` already prepared by ``oscarkv.hf.apply(model, calibration, method)``."""
-        from .prepare import HANDLE_ATTR, _fingerprint
-        from .. import methods
-
         handle = getattr(model, HANDLE_ATTR, None)
         name = methods.get(method).name
         if handle is None or handle.mode != "cache":
             raise RuntimeError("call oscarkv.hf.apply(model, calibration, method) first: the cache stores values in "
                                "the rotated basis folded into v_proj/o_proj")
-        if handle.fingerprint != _fingerprint(calibration, name):
+        if handle.fingerprint != fingerprint(calibration, name):
             raise ValueError(f"the model was prepared with method {handle.method.name!r} and another calibration or "
                              f"method than ({name!r}); use that handle's .cache()")
         return cls(handle, window_dtype)

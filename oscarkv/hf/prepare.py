@@ -8,23 +8,17 @@ OSCAR covers the model's full-attention layers. Sliding-window layers (Gemma3's 
 
 from __future__ import annotations
 
-import hashlib
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .. import methods as _methods
 from ..artifact import Calibration
-from ..methods import LayerRecipe, Recipe
+from .attention import oscar_attention
+from .cache import OscarCache
 from .fold import fold_values, unfold
-
-ATTN_NAME = "oscar"
-PLAN_ATTR = "_oscarkv_plan"
-HANDLE_ATTR = "_oscarkv_applied"
-
+from .plan import ATTN_NAME, HANDLE_ATTR, PLAN_ATTR, LayerPlan, fingerprint, full_attention_layers
 
 def _require_transformers():
     try:
@@ -40,64 +34,10 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-    from .attention import oscar_attention
-
     if AttentionInterface._global_mapping.get(ATTN_NAME) is not oscar_attention:
         AttentionInterface.register(ATTN_NAME, oscar_attention)
     if ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(ATTN_NAME) is not sdpa_mask:
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
-@dataclass(eq=False)
-class LayerPlan:
-    """What the attention function and the cache need for one OSCAR layer (tensors on the model's device)."""
-
-    layer: int
-    recipe: Recipe
-    lr: LayerRecipe
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mode: str  # "cache" or "simulate"
-    window_dtype: torch.dtype
-    prompt_len: int = 0
-    chunk: int = 1
-    _handle: Any = None
-    _dev: dict = field(default_factory=dict)
-
-    @property
-    def groups(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    def _tensors(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-        if device not in self._dev:
-            r = None if self.lr.r_k is None else self.lr.r_k.to(device, torch.float64)
-            mu = None if self.lr.mu_k is None else self.lr.mu_k.to(device, torch.float64)
-            self._dev[device] = (r, mu)
-        return self._dev[device]
-
-    def rotate_keys(self, k: Tensor) -> Tensor:
-        """Post-RoPE keys ``[B, Hkv, T, d]`` -> stored basis ``(k - mu_k) @ R_K`` (float32, computed in float64)."""
-        r, mu = self._tensors(k.device)
-        x = k.to(torch.float64)
-        if mu is not None:
-            x = x - mu[None, :, None, :]
-        if r is not None:
-            x = torch.einsum("bhtd,hde->bhte", x, r)
-        return x.to(torch.float32)
-
-    def rotate_queries(self, q: Tensor) -> Tensor:
-        """Queries ``[B, Hq, T, d]`` -> ``q @ R_K[j // g]`` grouped as ``[B, Hkv, g, T, d]`` (float32)."""
-        B, Hq, T, d = q.shape
-        r, _ = self._tensors(q.device)
-        x = q.reshape(B, self.num_kv_heads, self.groups, T, d)
-        if r is None:
-            return x.to(torch.float32)
-        return torch.einsum("bhgtd,hde->bhgte", x.to(torch.float64), r).to(torch.float32)
-
-    @property
-    def handle(self) -> "Applied | None":
-        return self._handle() if self._handle is not None else None
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -111,20 +51,6 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def _text_config(model: nn.Module):
     cfg = model.config
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-
-
-def full_attention_layers(config) -> list[bool]:
-    """Per layer: True where the layer attends over the whole sequence (OSCAR applies), False for
-    sliding-window or chunked layers (:attr:`oscarkv.artifact.ModelIdentity.full_attention`)."""
-    types = getattr(config, "layer_types", None)
-    return [True] * config.num_hidden_layers if types is None else [t == "full_attention" for t in types]
-
-
-def _fingerprint(calibration: Calibration, method: str) -> str:
-    h = hashlib.sha1(method.encode())
-    for name in ("r_k", "r_v", "mu_k", "mu_v", "k_clip", "v_clip"):
-        h.update(getattr(calibration, name).detach().float().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def default_window_dtype(model: nn.Module) -> torch.dtype:
@@ -153,7 +79,7 @@ class Applied:
         self.model, self.calibration, self.mode = model, calibration, mode
         self.method = _methods.get(method)
         self.recipe = _methods.resolve(self.method, calibration)
-        self.fingerprint = _fingerprint(calibration, self.method.name)
+        self.fingerprint = fingerprint(calibration, self.method.name)
         self.window_dtype = window_dtype or default_window_dtype(model)
         if not (isinstance(prompt_len, int) and prompt_len >= 0 and isinstance(chunk, int) and chunk >= 1):
             raise ValueError(f"prompt_len must be an int >= 0 and chunk an int >= 1, got {prompt_len!r}, {chunk!r}")
@@ -214,8 +140,6 @@ class Applied:
 
     def cache(self, window_dtype: torch.dtype | None = None, kernel_backend: str | None = None):
         """A fresh, empty :class:`~oscarkv.hf.cache.OscarCache` for this model and method."""
-        from .cache import OscarCache
-
         if self.mode != "cache":
             raise RuntimeError("this handle comes from oscarkv.hf.simulate (one full forward pass, no cache); "
                                "use oscarkv.hf.apply for generation with a cache")

@@ -17,7 +17,7 @@ from ..cache.attention import scores
 from ..cache.build import geometry_for, policy_for
 from ..cache.paged import quantize_roundtrip
 from ..cache.tiers import TierPolicy
-from .prepare import LayerPlan
+from .plan import LayerPlan
 
 BLOCK = 128  # query rows per block: bounds the score matrix to [Hq, BLOCK, N]
 

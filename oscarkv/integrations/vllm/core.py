@@ -319,7 +319,7 @@ def write_pages(kp: QuantPages, vp: QuantPages, k16: Tensor, v16: Tensor, flat_k
 def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
     """A chunk's causal attention to itself, q ``[T, Hq, d]``, k/v ``[T, Hkv, d]`` -> ``[T, Hq, d]`` (torch SDPA,
     i.e. FlashAttention on CUDA: the extend kernel's result when no prefix is stored, within its error budget)."""
-    from ...engine.attention import sdpa  # 4-D inputs, so that torch picks a fused backend, not the math one
+    from ...cache.attention import sdpa  # 4-D inputs, so that torch picks a fused backend, not the math one
 
     g = q.shape[1] // k.shape[1]
     kh, vh = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
