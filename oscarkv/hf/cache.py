@@ -3,8 +3,9 @@
 Each OscarLayer owns a one-layer, growable :class:`~oscarkv.cache.PagedStore` (16-bit sink + recent window,
 quantized pages in between, one slot per sequence of the batch). ``update`` does not store anything yet: it parks
 the chunk's new K/V, hands itself to the ``"oscar"`` attention function through the forward's keyword arguments,
-and returns *sealed* tensors that raise if any other attention function touches them. The attention function attends to the stored prefix as stored and to the
-chunk in full precision, then commits the chunk (``extend_attention_ref`` semantics; decode is a chunk of one).
+and returns *sealed* tensors that raise if any other attention function touches them. The attention function
+attends to the stored prefix as stored and to the chunk in full precision, then commits the chunk
+(``extend_attention_ref`` semantics; decode is a chunk of one).
 
 Left padding is supported: padding tokens are never stored, so every sequence of a batch keeps its own tiers
 (its sink is its first real tokens). Beam search, cropping and batch reordering are not supported.
