@@ -60,6 +60,7 @@ def test_greedy_equals_transformers_integration_with_layer_formats(make_hf, arch
     llm = LLM(hf, calib, kv="oscar", kv_budget_gb=0.01, max_num_seqs=2)  # method defaults to oscar-auto
     ours = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
     assert len(set(llm.store.formats)) == 2
+    assert "quantized layers all 2 (2 formats" in llm.describe()  # what the engine logs at start
     with hf_mod.apply(hf, calib, "oscar-auto") as handle:
         out = hf.generate(torch.tensor([prompt]), cache=handle.cache(), max_new_tokens=20,
                           min_new_tokens=20, do_sample=False)

@@ -11,7 +11,7 @@ from oscarkv.integrations.vllm.core import build_step, carve, causal_self_attent
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
 
-from vllm_sim import NO_WINDOWS, SINK_ONLY, WINDOWS, Sim  # noqa: E402  (pytest puts this folder on sys.path)
+from vllm_sim import NO_WINDOWS, SINK_ONLY, TOKEN2, WINDOWS, Sim  # noqa: E402  (pytest puts this folder on sys.path)
 
 
 def test_backend_reads_the_stores_tier_rule():
@@ -184,25 +184,40 @@ def test_per_layer_formats_match_dense_model_of_the_cache(fmt, static):
     assert sim.tiers.quantized(sim.tiers.sink + 90) > 0  # the 2-bit tier was read
 
 
-def test_channel_pages_written_whole_equal_the_store_demotion():
-    """Channel pages vLLM writes when they complete hold, bit for bit, what the store's demotion writes."""
+@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2, TOKEN2],
+                         ids=["ch2-tok4", "ch4-tok2", "tok4-tok2", "tok2-tok2"])
+def test_three_writers_store_bit_identical_pages(fmt):
+    """The same 16-bit rows written by the three writers hold the same 2-bit pages, bit for bit: vLLM's backend
+    (tokens at arrival, or channel pages whole when complete), the store's chunk write (the transformers cache and
+    the engine's prefill) and the store's decode demotion (the engine's decode, through the demote op)."""
     from oscarkv.cache import PagedStore
 
-    sim = Sim(WINDOWS, fmt=CHANNEL2_TOKEN4)
+    sim = Sim(WINDOWS, fmt=fmt)
     for batch in ([("a", 37)], *[[("a", 1)]] * 30):
         sim.step(batch)
     n = 67
     k16, v16 = (sim.rot(torch.stack(x), mu, r, f)[1] for x, mu, r, f in
-                zip(sim.hist["a"], (sim.p.mu_k, sim.p.mu_v), (sim.p.r_k, sim.p.r_v), CHANNEL2_TOKEN4))
-    st = PagedStore([CHANNEL2_TOKEN4], WINDOWS, PageGeometry(2, 64, 16), num_slots=1, num_pages=8, max_pages=8,
-                    dtype16=torch.bfloat16, device="cpu")
-    st.reserve(0, n)
-    st.write(0, 0, k16, v16)
-    st.commit(0, n)
+                zip(sim.hist["a"], (sim.p.mu_k, sim.p.mu_v), (sim.p.r_k, sim.p.r_v), fmt))
+    stores = [PagedStore([fmt], WINDOWS, PageGeometry(2, 64, 16), num_slots=1, num_pages=8, max_pages=8,
+                         dtype16=torch.bfloat16, device="cpu") for _ in range(2)]
+    chunk, decode = stores
+    chunk.reserve(0, n)
+    chunk.write(0, 0, k16, v16)
+    chunk.commit(0, n)
+    decode.reserve(0, 37)
+    decode.write(0, 0, k16[:37], v16[:37])
+    decode.commit(0, 37)
+    for t in range(37, n):  # a decode forward stores the token's row, the demotion follows
+        decode.reserve(0, t + 1)
+        row = decode.decode_row(0)
+        decode.buf[0, 0, 0, :, row], decode.buf[1, 0, 0, :, row] = k16[t], v16[t]
+        decode.commit_decode([0])
     q = WINDOWS.quantized(n)
     table = sim.tables["a"]
-    for which, (vllm_pages, store_pages) in enumerate(zip(sim.pages, (st.k_pages[0], st.v_pages[0]))):
+    for which, vllm_pages in enumerate(sim.pages):
         for j in range(q // 16):  # tier page j: vLLM block S/16 + j of sequence a, store page j of slot 0
-            vb, sb = table[WINDOWS.sink // 16 + j], st.table.pages[0][j]
-            for name in ("codes", "scale", "offset"):
-                assert torch.equal(getattr(vllm_pages, name)[vb], getattr(store_pages, name)[sb]), (which, j, name)
+            for st in stores:
+                ours = (st.k_pages, st.v_pages)[which][0]
+                vb, sb = table[WINDOWS.sink // 16 + j], st.table.pages[0][j]
+                for name in ("codes", "scale", "offset"):
+                    assert torch.equal(getattr(vllm_pages, name)[vb], getattr(ours, name)[sb]), (which, j, name)
