@@ -4,7 +4,7 @@ Weights come from a transformers model, a safetensors folder or random initialis
 benchmarks on machines without real weights). An OSCAR calibration's value rotation and mean are folded into
 ``v_proj`` (stored values are ``(v - mu_v) @ R_V``) and ``o_proj`` (per-head input columns rotated by ``R_V^T``,
 ``mu_v`` added back through an ``o_proj`` bias), so attention outputs in the rotated basis need no runtime work.
-Attention itself is delegated to a KV pool (:mod:`oscarkv.engine.kv`) through ``ctx``.
+Attention itself is delegated to the KV store (:mod:`oscarkv.cache`) through ``ctx`` (:mod:`oscarkv.engine.attention`).
 """
 
 from __future__ import annotations
