@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from parity_helpers import mixed_calibration  # noqa: E402
+
 from oscarkv import hf as ohf  # noqa: E402
 from oscarkv.artifact import ModelIdentity  # noqa: E402
 from oscarkv.config import QuantSpec  # noqa: E402
 from oscarkv.engine import LLM, SamplingParams  # noqa: E402
-
-from parity_helpers import mixed_calibration  # noqa: E402
 
 SPEC = QuantSpec(sink=16, window=16, page_size=16)
 

@@ -23,9 +23,9 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("oscarkv.hf needs transformers: pip install 'oscar-kv[hf]'") from e
 
+from .. import methods
 from ..cache import Bytes, PagedStore, chunk_attention, growable_store
 from ..formats import describe_layers
-from .. import methods
 from .plan import ATTN_NAME, HANDLE_ATTR, PLAN_ATTR, LayerPlan, fingerprint
 
 
@@ -247,7 +247,7 @@ class OscarCache(Cache):
 
     @classmethod
     def from_calibration(cls, model, calibration, method: str = "oscar",
-                         window_dtype: torch.dtype | None = None) -> "OscarCache":
+                         window_dtype: torch.dtype | None = None) -> OscarCache:
         """A cache for ``model`` already prepared by ``oscarkv.hf.apply(model, calibration, method)``."""
         handle = getattr(model, HANDLE_ATTR, None)
         name = methods.get(method).name

@@ -20,6 +20,7 @@ from .cache import OscarCache
 from .fold import fold_values, unfold
 from .plan import ATTN_NAME, HANDLE_ATTR, PLAN_ATTR, LayerPlan, fingerprint, full_attention_layers
 
+
 def _require_transformers():
     try:
         import transformers  # noqa: F401
@@ -45,7 +46,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(body, "layers", None)
     if layers is None:
         raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (expected .get_decoder().layers)")
-    return [getattr(layer, "self_attn") for layer in layers]
+    return [layer.self_attn for layer in layers]
 
 
 def _text_config(model: nn.Module):
@@ -149,7 +150,7 @@ class Applied:
 
     new_cache = cache
 
-    def __enter__(self) -> "Applied":
+    def __enter__(self) -> Applied:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -188,4 +189,4 @@ def simulate(model: nn.Module, calibration: Calibration, method: str = "oscar", 
     return Applied(model, calibration, method, "simulate", window_dtype, prompt_len, chunk)
 
 
-__all__ = ["apply", "simulate", "Applied", "LayerPlan", "register", "ATTN_NAME", "full_attention_layers"]
+__all__ = ["ATTN_NAME", "Applied", "LayerPlan", "apply", "full_attention_layers", "register", "simulate"]

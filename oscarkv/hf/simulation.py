@@ -104,4 +104,4 @@ def _block(qb: Tensor, i0: int, n: Tensor, policy: TierPolicy, t16: tuple[Tensor
     return torch.bmm(torch.softmax(s, -1).view(H, g * nb, nc), V).view(H, g, nb, d)
 
 
-__all__ = ["simulate_attention", "chunk_starts"]
+__all__ = ["chunk_starts", "simulate_attention"]

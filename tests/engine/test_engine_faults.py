@@ -1,14 +1,14 @@
 """Per-request isolation: a failure while running one request fails that request only (its pages freed, the
 others' tokens unchanged), the engine keeps serving, and bad requests are refused at ``submit``."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from test_engine_oscar import SMALL, make_calib  # noqa: E402  (pytest puts this folder on sys.path)
 
 from oscarkv.engine import LLM, EngineConfig, SamplingParams
-
-from test_engine_oscar import SMALL, make_calib  # noqa: E402  (pytest puts this folder on sys.path)
 
 PROMPT_LENS = (5, 9, 30)
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -137,7 +137,7 @@ def test_out_of_vocabulary_stop_ids_and_stop_strings_without_tokenizer(make_hf):
 
 def test_engine_config_is_frozen_and_refuses_unknown_keys(make_hf):
     cfg = EngineConfig(kv="bf16", kv_budget_gb=0.01)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kv = "oscar"
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['kvv'\]; valid options: \['kv'"):
         EngineConfig.from_dict({"kvv": "oscar"})

@@ -16,13 +16,11 @@ the output is rotated back (``@ R_V^T``) and ``mu_V`` added. Every 2-bit value i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
-
 import torch
 from torch import Tensor
 

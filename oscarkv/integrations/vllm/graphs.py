@@ -151,4 +151,4 @@ def _unpadded(m: StepMeta, B: int) -> dict:
     return out
 
 
-__all__ = ["BUCKETS", "bucket_for", "StaticDecode", "SharedInputs", "LayerGraphs"]
+__all__ = ["BUCKETS", "LayerGraphs", "SharedInputs", "StaticDecode", "bucket_for"]

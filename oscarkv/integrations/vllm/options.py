@@ -22,9 +22,10 @@ Keys (unknown keys are an error):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 PINNED_VLLM = "0.26.0"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -47,7 +48,7 @@ class OscarOptions:
     decode_graphs: bool = True
 
     @classmethod
-    def from_additional_config(cls, additional: Mapping[str, Any] | None) -> "OscarOptions | None":
+    def from_additional_config(cls, additional: Mapping[str, Any] | None) -> OscarOptions | None:
         """``None`` when there is no ``"oscar"`` section; raises :class:`OscarVllmError` on bad keys/values."""
         if not additional or "oscar" not in additional:
             return None

@@ -18,7 +18,7 @@ from ...cache import TierPolicy, geometry_for, policy_for
 from .options import OscarOptions, OscarVllmError, ServedModel, load_calibration, resolve_recipe, windows_of
 
 logger = logging.getLogger("vllm.oscarkv")  # under vLLM's logger, so its handler prints it
-_RUNTIMES: dict[str, "Runtime"] = {}
+_RUNTIMES: dict[str, Runtime] = {}
 
 
 @dataclass
@@ -158,4 +158,4 @@ def layer_params(rt: Runtime, layer: int, heads: list[int], sm_scale: float, dev
                        dtype16=rt.window_dtype, channel=lr.format is not None and lr.format.k.channel)
 
 
-__all__ = ["Runtime", "runtime", "served_model", "local_kv_heads", "layer_params"]
+__all__ = ["Runtime", "layer_params", "local_kv_heads", "runtime", "served_model"]
