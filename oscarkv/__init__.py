@@ -16,6 +16,8 @@ _LAZY = {
     "dequantize": ("oscarkv.quant", "dequantize"),
     "LLM": ("oscarkv.engine", "LLM"),
     "SamplingParams": ("oscarkv.engine", "SamplingParams"),
+    "EngineConfig": ("oscarkv.engine", "EngineConfig"),
+    "LayerFormat": ("oscarkv.formats", "LayerFormat"),
 }
 
 
