@@ -150,6 +150,14 @@ def resolve_recipe(opts: OscarOptions, calib):
         raise OscarVllmError(f"oscar.method {opts.method!r} cannot use this calibration: {e}") from e
 
 
+def serving_policy(recipe):
+    """The tier rule the backend serves ``recipe`` with: the store's (:func:`oscarkv.cache.policy_for`); without
+    quantization (method ``bf16``) none, for the backend then reads vLLM's own 16-bit pages (no window ring)."""
+    from ...cache import TierPolicy, policy_for
+
+    return policy_for(recipe) if recipe.quantized else TierPolicy(0, 0, 1)
+
+
 def windows_of(policy) -> tuple[int, int]:
     """``(ring, rows16)`` of a :class:`~oscarkv.cache.TierPolicy` in the backend: the recent window lives in a
     ring of ``window + unit`` rows after ``sink`` rows per sequence; ``(0, 0)`` when every token is quantized."""
@@ -194,5 +202,6 @@ __all__ = [
     "check_served",
     "load_calibration",
     "resolve_recipe",
+    "serving_policy",
     "windows_of",
 ]

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ...cache import TierPolicy, geometry_for, policy_for
-from .options import OscarOptions, OscarVllmError, ServedModel, load_calibration, resolve_recipe, windows_of
+from ...cache import TierPolicy, geometry_for
+from .options import (OscarOptions, OscarVllmError, ServedModel, load_calibration, resolve_recipe, serving_policy,
+                      windows_of)
 
 logger = logging.getLogger("vllm.oscarkv")  # under vLLM's logger, so its handler prints it
 _RUNTIMES: dict[str, Runtime] = {}
@@ -101,7 +102,7 @@ def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
     model = served_model(vllm_config)
     calib = load_calibration(opts, model)
     recipe = resolve_recipe(opts, calib)
-    policy = policy_for(recipe)
+    policy = serving_policy(recipe)
     if recipe.quantized and policy.windows:
         if vllm_config.cache_config.enable_prefix_caching:
             raise OscarVllmError(

@@ -14,6 +14,8 @@ from oscarkv.integrations.vllm.options import (
     check_served,
     load_calibration,
     resolve_recipe,
+    serving_policy,
+    windows_of,
 )
 from oscarkv.integrations.vllm.runtime import local_kv_heads
 
@@ -74,7 +76,8 @@ def test_recipe_follows_the_method_registry(tmp_path):
     assert (r.sink, r.window, r.unit) == (64, 256, 64) and {f.k.bits for f in r.formats} == {2}
     r = resolve_recipe(OscarOptions(calibration=opts.calibration, method="oscar-nowindow"), calib)
     assert (r.sink, r.window, r.unit) == (0, 0, 1)
-    assert not resolve_recipe(OscarOptions(method="bf16"), calib).quantized
+    bf16 = resolve_recipe(OscarOptions(method="bf16"), calib)
+    assert not bf16.quantized and windows_of(serving_policy(bf16)) == (0, 0)  # vLLM's own pages, no ring
 
 
 def _recipe(layer_formats=None, method="oscar"):
