@@ -11,7 +11,7 @@ from test_engine_oscar import SMALL, make_calib  # noqa: E402  (pytest puts this
 from oscarkv.engine import LLM, EngineConfig, SamplingParams
 
 PROMPT_LENS = (5, 9, 30)
-PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def _prompts():
@@ -37,7 +37,8 @@ def _inject(llm, monkeypatch, when):
 
 
 def _alone(hf, kv, prompts):
-    return [_llm(hf, kv).generate([p], PARAMS)[0].token_ids for p in prompts]
+    llm = _llm(hf, kv)
+    return [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("kv", ["oscar", "bf16"])

@@ -104,11 +104,14 @@ def oscarkv_greedy(model_dir: str, calib: str, prompts: list, n: int) -> tuple[l
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     calibration = Calibration.load(calib, model)
+    # no end-of-sequence token: vLLM and the engine run with ignore_eos (an EOS is a token like any other, where
+    # transformers' min_new_tokens would mask it)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     via_hf = []
     for p in prompts:
         with hf.apply(model, calibration, "oscar-auto") as handle, torch.inference_mode():
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 cache=handle.cache(), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                                 cache=handle.cache(), max_new_tokens=n, do_sample=False)
         via_hf.append(out[0, len(p):].tolist())
     llm = LLM(model, calibration, kv="oscar", method="oscar-auto", kv_budget_gb=0.2, max_num_seqs=4)
     via_llm = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
