@@ -319,7 +319,8 @@ class Calibration:
 
     def check_model(self, model: Any) -> None:
         """Raise ``ArtifactError`` naming every difference between this calibration and ``model``."""
-        other = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
+        other = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(
+            getattr(model, "config", model))
         diffs = self.model.differences(other)
         if diffs:
             raise ArtifactError(
@@ -349,7 +350,8 @@ class Calibration:
     ) -> Calibration:
         """Import reference RotationZoo ``.pt`` files (``{"layers": {i: {"rotation", "eigenvalues"}}}``) for
         keys and values. Loaded with ``weights_only=True``; means are zero (the reference does not center)."""
-        ident = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(getattr(model, "config", model))
+        ident = model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(
+            getattr(model, "config", model))
         spec = spec or QuantSpec(k_clip=0.96, v_clip=0.92, centering=False)
         r = {}
         for which, p in (("k", k_path), ("v", v_path)):

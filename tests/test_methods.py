@@ -45,7 +45,8 @@ def test_resolve_oscar_uses_calibration():
     assert (r.sink, r.window, r.unit, r.page_size, r.group_size) == (16, 32, 16, 16, 32)
     lr = r.layers[1]
     k_clip, v_clip = float(c.k_clip[1]), float(c.v_clip[1])  # the artifact's float32 ratios, unrounded
-    assert lr.format == LayerFormat(TensorFormat("token", 2, "calibrated", k_clip), TensorFormat("token", 2, "calibrated", v_clip))
+    assert lr.format == LayerFormat(TensorFormat("token", 2, "calibrated", k_clip),
+                                    TensorFormat("token", 2, "calibrated", v_clip))
     assert torch.equal(lr.r_k[0], hadamard(64)) and torch.equal(lr.mu_v, c.mu_v[1])
     assert (lr.k_clip, lr.v_clip) == (pytest.approx(0.93), pytest.approx(0.91))
     assert methods.resolve("oscar-nocenter", c).layers[0].mu_k is None

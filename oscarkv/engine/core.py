@@ -170,7 +170,8 @@ class Engine:
         p = seq.params
         reason = None
         try:
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids or self.detok is not None and p.stop and self.detok(seq):
+            stop_token = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            if stop_token or (self.detok is not None and p.stop and self.detok(seq)):
                 reason = "stop"
             elif len(seq.out) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"

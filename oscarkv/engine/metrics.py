@@ -55,7 +55,8 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.counters = {"requests_total": 0.0, "requests_finished_total": 0.0, "requests_aborted_total": 0.0,
-                         "requests_rejected_total": 0.0, "requests_failed_total": 0.0, "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0,
+                         "requests_rejected_total": 0.0, "requests_failed_total": 0.0, "prompt_tokens_total": 0.0,
+                         "generation_tokens_total": 0.0,
                          "preemptions_total": 0.0}
         self.start = time.monotonic()
         self._window: list[tuple[float, int]] = []  # (time, generated tokens) for the tokens/s gauge

@@ -100,5 +100,6 @@ def test_channel_pages_through_the_kernel_dispatcher_equal_the_cpu_path():
             cache = h.cache(kernel_backend=backend)
             outs.append(_decode(model, ids, cache))
             layer0 = cache.layers[0]
-            assert layer0.store.k_pages[0].fmt.channel and layer0._kernels_apply(ids, None, None) == (backend is not None)
+            assert layer0.store.k_pages[0].fmt.channel
+            assert layer0._kernels_apply(ids, None, None) == (backend is not None)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=0)

@@ -42,7 +42,8 @@ def test_left_padded_batch_equals_single_prompts():
         cache = h.cache()
         batch = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=20, do_sample=False)
         layer = cache.layers[0]
-        assert layer.store.lens[:len(prompts)] == [len(p) + 20 - 1 for p in prompts]  # padding never stored; last token not fed
+        # padding never stored; the last token not fed
+        assert layer.store.lens[:len(prompts)] == [len(p) + 20 - 1 for p in prompts]
         singles = [model.generate(input_ids=p[None], cache=h.cache(), max_new_tokens=20, do_sample=False)
                    for p in prompts]
     for b, s in enumerate(singles):

@@ -7,7 +7,8 @@ import torch
 
 from oscarkv.cache import PageGeometry, TierPolicy
 from oscarkv.formats import LayerFormat, TensorFormat
-from oscarkv.integrations.vllm.core import build_step, carve, causal_self_attention, dense_step, page_bytes, prebuild_decode_kernels
+from oscarkv.integrations.vllm.core import (build_step, carve, causal_self_attention, dense_step, page_bytes,
+                                           prebuild_decode_kernels)
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
 
@@ -102,7 +103,8 @@ def test_causal_self_attention_is_the_extend_reference_without_a_prefix():
 
     gen = torch.Generator().manual_seed(3)
     T, H, g, d = 23, 2, 3, 64
-    q, k, v = torch.randn(T, H * g, d, generator=gen), torch.randn(T, H, d, generator=gen), torch.randn(T, H, d, generator=gen)
+    q = torch.randn(T, H * g, d, generator=gen)
+    k, v = torch.randn(T, H, d, generator=gen), torch.randn(T, H, d, generator=gen)
     fmt = PageFormat(H, d, page_size=16)
     from oscarkv.kernels.layout import QuantPages
 
@@ -184,7 +186,8 @@ def test_per_layer_formats_match_dense_model_of_the_cache(fmt, static):
     assert sim.tiers.quantized(sim.tiers.sink + 90) > 0  # the 2-bit tier was read
 
 
-@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2], ids=["ch2-tok4", "ch4-tok2", "tok4-tok2"])
+@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2],
+                         ids=["ch2-tok4", "ch4-tok2", "tok4-tok2"])
 def test_three_writers_store_bit_identical_pages(fmt):
     """The same 16-bit rows written by the three writers hold the same 2-bit pages, bit for bit: vLLM's backend
     (tokens at arrival, or channel pages whole when complete), the store's chunk write (the transformers cache and

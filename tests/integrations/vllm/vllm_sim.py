@@ -47,7 +47,8 @@ class Sim:
         self.pages = carve(self.kv, kf, vf)
         shape = (num_slots + 1, self.rows16, H, d)
         windows = tiers.windows
-        self.pools = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)) if windows else None
+        pools = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+        self.pools = pools if windows else None
         self.slots, self.num_slots = (WindowSlots(num_slots) if windows else None), num_slots
         rot = torch.stack([random_orthogonal(d, gen) for _ in range(2 * H)])
         self.p = LayerParams(r_k=rot[:H], r_v=rot[H:], mu_k=torch.randn(H, d, generator=gen),
@@ -91,9 +92,8 @@ class Sim:
         if self.static and m.num_decodes == len(batch):  # padded rows: garbage inputs that must write nothing
             m = self.static.fill(m)
             pad = m.num_tokens - T
-            got = quant_step(torch.cat([q, torch.randn(pad, Hq, self.d) * 9]), torch.cat([k, torch.randn(pad, self.H,
-                             self.d) * 9]), torch.cat([v, torch.randn(pad, self.H, self.d) * 9]), self.pages, self.pools,
-                             self.p, m)[:T]
+            junk = lambda x: torch.cat([x, torch.randn(pad, *x.shape[1:]) * 9])  # noqa: E731
+            got = quant_step(junk(q), junk(k), junk(v), self.pages, self.pools, self.p, m)[:T]
         else:
             got = quant_step(q, k, v, self.pages, self.pools, self.p, m, out=buf)  # buf: the backend's output
         assert buf is None or got is buf or self.static
