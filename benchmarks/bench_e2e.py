@@ -1,6 +1,6 @@
-"""End-to-end engine benchmarks on the GPU; see ``oscarkv bench --help`` and docs/engine.md.
+"""End-to-end engine benchmarks on a CUDA GPU: the same as ``oscarkv bench`` (see ``--help``, docs/gpu.md).
 
-    PYTHONPATH=. python3 benchmarks/bench_e2e.py --out e2e.json
+    python benchmarks/bench_e2e.py --out e2e.json
 """
 
 import argparse
@@ -9,6 +9,6 @@ import sys
 from oscarkv.cli import bench
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench.add_arguments(parser)
     sys.exit(bench.run(parser.parse_args()))

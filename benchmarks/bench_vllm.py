@@ -1,13 +1,14 @@
 """vLLM 0.26.0 BF16 vs vLLM + OSCAR on one GPU: KV capacity (vLLM's own log line), offline throughput at long
 context under the same ``gpu_memory_utilization``, and OSCAR logits against the project's transformers reference.
 
-    python benchmarks/bench_vllm.py --out docs/results/vllm_h200.json [--util 0.15] [--context 32000]
+    python benchmarks/bench_vllm.py --out vllm_h200.json [--util 0.15] [--context 32000]
 
 A random-weight Qwen3-shaped model (28 layers, 16/8 heads, d=128) is written first, with a random calibration
 (orthogonal rotations, small means, clip 0.96/0.92, sink 64 + window 256). Each engine runs in its own process
-(``--child``) so the two never share GPU memory. Both run eager (``enforce_eager``): the OSCAR backend supports no
-CUDA graphs yet. The BF16 baseline uses vLLM's default backend (FlashAttention 3 on the H200; the slim carry keeps
-its binary). A deadline bounds the whole run; phases past it are recorded as skipped.
+(``--child``) so the two never share GPU memory. Both run eager (``enforce_eager``); the BF16 baseline uses
+vLLM's default backend (FlashAttention 3 on an H200). A deadline bounds the whole run; phases past it are recorded
+as skipped. OSCAR's logits are checked against ``oscarkv.hf.simulate`` (``--max-kl``); if that fails, no speed is
+reported and the script exits 1.
 """
 
 from __future__ import annotations
@@ -98,10 +99,8 @@ def child(spec: dict) -> None:
         n = max(1, min(spec["max_num_seqs"], cap // (ctx + new + cc.block_size)))  # as many as fit at once
         prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()} for _ in range(n)]
         sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
-        # warm-up: steps that mix one prompt with 0..9 decode rows, then decode-only batches of 9..1, so that the
-        # CUDA decode kernel's first-use builds (one cubin per variant and part: one sequence, up to 64 (sequence,
-        # KV head) pairs in one fused launch, more in two; ~1.7 s each in vllm_layer_probe.py's mixed steps,
-        # session 17) stay out of the timed phases
+        # warm-up: steps that mix one prompt with 0..9 decode rows, then decode-only batches of 9..1, so that
+        # first-use work (kernel builds for each launch shape, ~1.7 s each) stays out of the timed phases
         llm.generate(prompts[:10], SamplingParams(max_tokens=12, detokenize=False, ignore_eos=True), use_tqdm=False)
         out.update(num_seqs=n, context=ctx, gen=new, **timed_generate(llm.llm_engine, prompts, sp))
     print("RESULT " + json.dumps(out), flush=True)
@@ -235,13 +234,12 @@ def logits_check(model_dir: Path, calib_dir: Path, path: Path) -> dict:
     return {"kl_ref_vs_vllm_mean": kls, "greedy_agreement": agree, "max_abs_logprob_diff_top20": maxdiff}
 
 
-def provenance() -> dict:
-    import torch
+def provenance(git_sha: str | None) -> dict:
+    import vllm
 
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    sha = os.environ.get("OSCARKV_GIT_SHA") or (sha if len(sha) == 40 else "unknown (no .git on the device)")
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "git": sha,
-            "vllm": __import__("vllm").__version__, "triton": __import__("triton").__version__}
+    from oscarkv.bench.harness import provenance as base
+
+    return {**base(git_sha), "vllm": vllm.__version__}
 
 
 def main() -> None:
@@ -253,8 +251,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per sequence")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
-                    help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per prompt)")
+                    help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per "
+                         "prompt)")
     ap.add_argument("--deadline", type=float, default=400.0, help="seconds for the whole run")
+    ap.add_argument("--git-sha", default=None, help="commit of the code run (default: this checkout's HEAD)")
+    ap.add_argument("--max-kl", type=float, default=1e-2,
+                    help="largest mean KL (nats/token) of vLLM + OSCAR to the transformers reference; above it, or "
+                         "without the check, no speed is reported and the script exits 1")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))
@@ -263,7 +266,7 @@ def main() -> None:
     root = Path(a.work)
     root.mkdir(parents=True, exist_ok=True)
     model_dir, calib_dir = make_model(root)
-    report = {"provenance": provenance(), "model": {"shape": "Qwen3-0.6B-like, random weights", **QWEN3},
+    report = {"provenance": provenance(a.git_sha), "model": {"shape": "Qwen3-0.6B-like, random weights", **QWEN3},
               "settings": {"gpu_memory_utilization": a.util, "context": a.context, "gen": a.gen, "enforce_eager": True,
                            "max_num_batched_tokens": a.max_batched_tokens or a.context + a.gen + 64},
               "runs": {}, "logs": {}}
@@ -290,11 +293,21 @@ def main() -> None:
             report[key.replace("_tok_s", "") + "_throughput_ratio"] = r["oscar"][key] / r["bf16"][key]
     try:
         report["logits_check"] = logits_check(model_dir, calib_dir, root / "oscar_logits.pt")
-    except Exception as e:  # recorded, not hidden
+    except Exception as e:  # noqa: BLE001 - recorded, and it withholds the speeds below
         report["logits_check"] = {"error": repr(e)[:2000]}
+    kls = report["logits_check"].get("kl_ref_vs_vllm_mean")
+    refused = None if kls and max(kls) <= a.max_kl else f"logits check failed or missing: {report['logits_check']}"
+    if refused:  # no speed for an engine whose outputs do not match the reference
+        report["refused"] = refused
+        for key in [k for k in report if k.endswith("_ratio")]:
+            del report[key]
+        for key in ("wall_s", "output_tok_s", "total_tok_s", "decode_tok_s", "decode_step_ms", "prefill_phase_s"):
+            (report["runs"].get("oscar") or {}).pop(key, None)
     report["wall_s"] = time.time() - t_start
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "logs"}, indent=1))
+    if refused:
+        raise SystemExit(f"no speed reported: {refused}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""vLLM 0.26.0 + OSCAR with tensor parallelism on a random-weight Qwen3-8B-shaped model (issue 8).
+"""vLLM 0.26.0 + OSCAR with tensor parallelism on a random-weight Qwen3-8B-shaped model.
 
     python benchmarks/bench_vllm_tp.py --phase tp1 --out OUT/tp1.json     # greedy tokens at TP=1, BF16 and OSCAR
     python benchmarks/bench_vllm_tp.py --phase tp2 --out OUT/tp2.json     # the same at TP=2, plus KV capacity and
@@ -6,10 +6,10 @@
     python benchmarks/bench_vllm_tp.py --merge tp1.json tp2.json --out docs/results/vllm_tp2_h200.json
 
 The model (Qwen3-8B shape: 36 layers, 32/8 heads, d=128, hidden 4096, random weights from transformers' init,
-seed 0, optional final-norm gain ``--peak``) is written once under ``--work`` as safetensors, so TP=1 and TP=2 load the same weights (vLLM's "dummy"
-loader would initialise each shard on its own). The calibration is random too (orthogonal rotations, small means,
-clip 0.96/0.92, sink 64 + window 256). Every engine runs in its own process; both kinds run eager (the OSCAR
-backend has no CUDA graphs yet), at the same ``gpu_memory_utilization``.
+seed 0, optional final-norm gain ``--peak``) is written once under ``--work`` as safetensors, so TP=1 and TP=2
+load the same weights (vLLM's "dummy" loader would initialise each shard on its own). The calibration is random too
+(orthogonal rotations, small means, clip 0.96/0.92, sink 64 + window 256). Every engine runs in its own process;
+both kinds run eager, at the same ``gpu_memory_utilization``.
 
 Greedy tokens: 4 prompts of random token ids (300..1400 tokens, so the 2-bit tier is in use), 24 new tokens, with
 the top-20 log-probabilities of every step. Throughput: as many ``--context``-token prompts as the KV capacity
@@ -35,7 +35,7 @@ PROMPT_LENS = (1400, 900, 600, 300)
 FORCED_CHUNK = 256  # prefill chunk of the teacher-forced check: later chunks read the earlier ones as stored
 NEW_TOKENS = 24
 TOPK = 20
-# NVLink multicast stays off on the lent machines (device KINDS.md); children inherit these.
+# NVLink multicast off (some multi-GPU hosts hang in NCCL's NVLS setup); children inherit these.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -44,7 +44,7 @@ def make_model(root: Path, peak: float = 1.0) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from bench_vllm import random_calibration  # this folder is on sys.path when run as a script
+    from bench_vllm import random_calibration  # the script's own folder is first on sys.path
 
     model_dir, calib_dir = root / f"qwen3-8b-random-gain{peak:g}", root / "qwen3-8b-random-calib"
     cfg = Qwen3Config(**QWEN3_8B, architectures=["Qwen3ForCausalLM"])
@@ -133,13 +133,12 @@ def run_child(spec: dict, timeout: float) -> tuple[dict | None, str]:
     return res, log
 
 
-def provenance() -> dict:
-    import torch
+def provenance(git_sha: str | None) -> dict:
+    import vllm
 
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    sha = os.environ.get("OSCARKV_GIT_SHA") or (sha if len(sha) == 40 else "unknown (no .git on the device)")
-    return {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-            "git": sha, "vllm": __import__("vllm").__version__, "triton": __import__("triton").__version__}
+    from oscarkv.bench.harness import provenance as base
+
+    return {**base(git_sha), "vllm": vllm.__version__}
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
@@ -163,7 +162,8 @@ def phase(a, name: str) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     t = time.time()
     model_dir, calib_dir = make_model(root, a.peak)
-    report = {"phase": name + ("-forced" if a.forced else ""), "provenance": provenance(), "model": {"shape": "Qwen3-8B, random weights", "final_norm_gain": a.peak, **QWEN3_8B},
+    model = {"shape": "Qwen3-8B, random weights", "final_norm_gain": a.peak, **QWEN3_8B}
+    report = {"phase": name + ("-forced" if a.forced else ""), "provenance": provenance(a.git_sha), "model": model,
               "model_write_s": time.time() - t, "runs": {}, "logs": {}}
     tp = 1 if name == "tp1" else 2
     common = {"model": str(model_dir), "util": a.util, "tp": tp, "max_model_len": max(a.context + a.gen, 2048) + 64}
@@ -190,7 +190,8 @@ def merge(paths: list[str]) -> dict:
     phases = {json.loads(Path(p).read_text())["phase"]: json.loads(Path(p).read_text()) for p in paths}
     tp1, tp2 = phases.get("tp1", {}), phases.get("tp2", {})
     sfx = "-forced" if "tp1-forced" in phases else ""
-    out = {"provenance": {k: v.get("provenance") for k, v in phases.items()}, "model": tp2.get("model") or tp1.get("model"),
+    out = {"provenance": {k: v.get("provenance") for k, v in phases.items()},
+           "model": tp2.get("model") or tp1.get("model"),
            "settings": {k: v.get("settings") for k, v in phases.items()}, "runs": {}, "logs": {}}
     for ph, rep in phases.items():
         for kind, res in rep["runs"].items():
@@ -202,7 +203,8 @@ def merge(paths: list[str]) -> dict:
         if greedy.get(f"{kind}_tp1") and greedy.get(f"{kind}_tp2"):
             checks[f"{kind}: tp2 vs tp1"] = compare(greedy[f"{kind}_tp1"], greedy[f"{kind}_tp2"])
     if greedy.get("bf16_tp1") and greedy.get("oscar_tp1"):
-        checks["oscar vs bf16 at tp1 (quantization effect, for scale)"] = compare(greedy["bf16_tp1"], greedy["oscar_tp1"])
+        checks["oscar vs bf16 at tp1 (quantization effect, for scale)"] = compare(greedy["bf16_tp1"],
+                                                                                 greedy["oscar_tp1"])
     out["greedy_checks"] = checks
     forced = {k: (v or {}).get("forced") for k, v in out["runs"].items()}
     fchecks = {}
@@ -210,8 +212,10 @@ def merge(paths: list[str]) -> dict:
                         (f"bf16_tp1{sfx}", f"bf16_tp2{sfx}", "bf16: tp2 vs tp1"),
                         (f"bf16_tp1{sfx}", f"oscar_tp1{sfx}", "oscar vs bf16 at tp1 (quantization effect, for scale)")):
         if forced.get(x) and forced.get(y):
-            d = [abs(a - b) for p, q in zip(forced[x], forced[y]) for a, b in zip(p, q) if a is not None and b is not None]
-            fchecks[label] = {"positions": len(d), "mean_abs_logprob_diff": sum(d) / len(d), "max_abs_logprob_diff": max(d)}
+            d = [abs(a - b) for p, q in zip(forced[x], forced[y]) for a, b in zip(p, q)
+                 if a is not None and b is not None]
+            fchecks[label] = {"positions": len(d), "mean_abs_logprob_diff": sum(d) / len(d),
+                              "max_abs_logprob_diff": max(d)}
     if fchecks:
         out["forced_checks"] = fchecks
     r = {k: out["runs"].get(f"{k}_tp2") or {} for k in ("oscar", "bf16")}
@@ -235,6 +239,7 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=1.0, help="final RMSNorm gain of the random model")
     ap.add_argument("--forced", action="store_true", help="teacher-forced log-probs (chunked prefill of 256)")
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds for the whole phase")
+    ap.add_argument("--git-sha", default=None, help="commit of the code run (default: this checkout's HEAD)")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))

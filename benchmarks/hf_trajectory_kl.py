@@ -8,8 +8,8 @@
 3. Bytes: a ``--bytes-context``-token text prefilled (in chunks) into each method's cache; ``nbytes()`` against a
    16-bit cache of the same tokens.
 
-    python benchmarks/hf_trajectory_kl.py --model smollm2-135m --calibration /work/artifacts/smollm2-135m \\
-        --methods bf16,oscar,naive-int2 --out results/hf_trajectory_kl.json
+    python benchmarks/hf_trajectory_kl.py --model smollm2-135m --calibration calibrations/smollm2-135m \\
+        --methods bf16,oscar,naive-int2 --out hf_trajectory_kl.json
 
 Prints a table and writes JSON with a provenance line.
 """
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
+
+from oscarkv.bench.harness import provenance
 
 
 def reference_trajectory(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,17 +57,6 @@ def cache_bytes(model, handle, ids: torch.Tensor, chunk: int):
     return cache.nbytes()
 
 
-def _provenance() -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = ""
-    import transformers
-
-    return {"git": sha, "torch": torch.__version__, "transformers": transformers.__version__,
-            "machine": platform.machine(), "threads": torch.get_num_threads(), "time": time.strftime("%F %T")}
-
-
 def main(argv=None) -> int:
     from oscarkv import hf, models
     from oscarkv.artifact import Calibration
@@ -81,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--bytes-context", type=int, default=4096)
     p.add_argument("--essay", type=int, default=0, help="index of the held-out essay (evaluation split)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="results/hf_trajectory_kl.json")
+    p.add_argument("--out", default="hf_trajectory_kl.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -93,7 +83,8 @@ def main(argv=None) -> int:
     prompt = ids[:, : args.prompt_tokens]
     t0 = time.perf_counter()
     tokens, ref = reference_trajectory(model, prompt, args.new_tokens)
-    results = {"provenance": _provenance(), "args": vars(args), "document": docs[args.essay].name,
+    prov = {**provenance(), "transformers": transformers.__version__, "threads": args.threads}
+    results = {"provenance": prov, "args": vars(args), "document": docs[args.essay].name,
                "reference_seconds": round(time.perf_counter() - t0, 1), "methods": {}}
     print(f"{'method':<22} {'mean KL':>9} {'max KL':>8} {'argmax agree':>12} {'bytes/bf16 @ctx':>16} {'bits/el':>8}")
     for name in args.methods.split(","):

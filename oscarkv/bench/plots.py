@@ -2,7 +2,10 @@
 decode throughput against batch under the KV budget, and KV bytes per token. ``series`` extracts what is drawn
 (pure, tested); ``plot_results`` draws it with matplotlib (the ``eval`` extra), one PNG per figure.
 
-    oscarkv bench --plot docs/results/e2e_h200.json      # no GPU needed: redraws from the JSON
+    oscarkv bench --plot docs/results/e2e_h200_2026-12-01_e990e9a.json    # no GPU needed: redraws from the JSON
+
+Rows carry ``step_ms`` and ``pdl``; results of the earlier benchmark (such as the run at commit e990e9a) carry
+``graph_ms`` (a CUDA-graph replay) and ``variant`` instead, and are drawn the same way.
 """
 
 from __future__ import annotations
@@ -14,9 +17,20 @@ COLORS = {"bf16": "tab:gray", "oscar": "tab:blue"}
 LABELS = {"bf16": "BF16 cache", "oscar": "OSCAR 2-bit cache"}
 
 
-def _variant(rows: list[dict]) -> str | None:
-    """The variant drawn when a run timed several (pdl off/on, GEMV sets): "on" if present, else the first."""
-    names = list(dict.fromkeys(r.get("variant", "off") for r in rows if "graph_ms" in r))
+def _ms(row: dict) -> float | None:
+    return row.get("step_ms", row.get("graph_ms"))
+
+
+def _setting(row: dict) -> str:
+    """The row's pdl setting ("on" / "off"; older results: the variant's name)."""
+    if "pdl" in row and "variant" not in row:
+        return "on" if row["pdl"] else "off"
+    return row.get("variant", "off")
+
+
+def _drawn(rows: list[dict]) -> str | None:
+    """The setting drawn when a run timed several: "on" if present, else the first."""
+    names = list(dict.fromkeys(_setting(r) for r in rows))
     return "on" if "on" in names else (names[0] if names else None)
 
 
@@ -26,13 +40,13 @@ def series(res: dict) -> dict:
     errored rows left out."""
     out = {}
     for name, entry in res.get("models", {}).items():
-        lat = [r for r in entry.get("latency", []) if isinstance(r, dict) and "graph_ms" in r]
-        thr = [r for r in entry.get("throughput", []) if isinstance(r, dict) and "graph_ms" in r]
-        lv, tv = _variant(lat), _variant(thr)
-        s = {"latency": {kv: sorted((r["context"], r["graph_ms"], r["floor_ms"]) for r in lat
-                                    if r["kv"] == kv and r.get("variant", "off") == lv) for kv in KVS},
+        lat = [r for r in entry.get("latency", []) if isinstance(r, dict) and _ms(r) is not None]
+        thr = [r for r in entry.get("throughput", []) if isinstance(r, dict) and _ms(r) is not None]
+        lv, tv = _drawn(lat), _drawn(thr)
+        s = {"latency": {kv: sorted((r["context"], _ms(r), r["floor_ms"]) for r in lat
+                                    if r["kv"] == kv and _setting(r) == lv) for kv in KVS},
              "throughput": {kv: sorted((r["batch"], r["tokens_per_s"]) for r in thr
-                                       if r["kv"] == kv and r.get("variant", "off") == tv) for kv in KVS},
+                                       if r["kv"] == kv and _setting(r) == tv) for kv in KVS},
              "throughput_context": thr[0]["context"] if thr else None, "memory": None}
         mem = entry.get("memory")
         if isinstance(mem, dict) and all(kv in mem for kv in KVS):

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from oscarkv.cli import bench
-from oscarkv.cli.bench_plots import plot_results, series
+from oscarkv.bench.plots import plot_results, series
 
-RESULT = Path(__file__).resolve().parents[1] / "docs" / "results" / "e2e_h200.json"
+RESULT = Path(__file__).resolve().parents[2] / "docs" / "results" / "e2e_h200_2026-12-01_e990e9a.json"
 
 
 def _row(kv, ctx, ms, variant="on", **kw):

@@ -1,0 +1,263 @@
+"""End-to-end engine benchmarks through the engine's public API (``LLM``, ``submit``, ``step``, ``gauges``):
+batch-1 decode step against context (with its physical floor), decode throughput under one KV budget, and KV
+bytes per token, on random-weight models (:data:`oscarkv.engine.PRESETS`).
+
+Prompts of random token ids (``HEADROOM`` tokens short of the context) are prefilled for real, one prompt per
+step (``prefill_chunk`` = the prompt), so a sequence that already decodes gains one token per later prompt; then
+decode steps are timed with :class:`~oscarkv.bench.harness.Timer`: one ``LLM.step()`` each (scheduling,
+sampling, demotions and host work included), every sequence decoding, median over ``steps``. Physical floor =
+(weight bytes + KV bytes in use) / ``PEAK_BW``.
+
+Everything that depends on how the engine is configured sits in :func:`make_llm` and
+:func:`pages_per_sequence`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from .harness import CorrectnessError, Timer
+
+PEAK_BW = 4.7e12  # H200 HBM3e read bandwidth, bytes/s
+HEADROOM = 128  # prompt tokens short of the context: room for the tokens decoded while others prefill and timed
+WARMUP_STEPS = 2  # the first decode step of a batch size captures its CUDA graph
+
+
+# ------------------------------------------------------------------------------- engine coupling
+def make_llm(model, kv: str, *, max_num_seqs: int, max_model_len: int, kv_budget_gb: float, gemv: str = "auto",
+             pdl: bool = True, prefill_chunk: int = 2048):
+    """An engine over ``model`` (an engine ``Transformer``) with a ``kv`` ("bf16" / "oscar") pool of
+    ``kv_budget_gb`` GiB. OSCAR gets an identity calibration (random weights have nothing to calibrate on;
+    rotations do not change the cost of a step)."""
+    from oscarkv.artifact import Calibration, ModelIdentity
+    from oscarkv.config import QuantSpec
+    from oscarkv.engine import LLM
+
+    calib = None
+    if kv == "oscar":
+        c = model.cfg
+        ident = ModelIdentity(c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size)
+        calib = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none"),
+                                     clip=0.96)
+    return LLM(model, calib, kv=kv, kv_budget_gb=kv_budget_gb, max_num_seqs=max_num_seqs,
+               max_model_len=max_model_len, prefill_chunk=prefill_chunk, monitor_every=0, gemv=gemv, pdl=pdl)
+
+
+def pages_per_sequence(llm, tokens: int) -> int:
+    """KV pages one sequence of ``tokens`` tokens occupies in ``llm``'s pool."""
+    return llm.pool.cfg.pages_for(tokens)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def release(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bf16_bytes_per_token(model) -> int:
+    c = model.cfg
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+
+
+def prefill(llm, n_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0) -> dict:
+    """Submit ``n_seqs`` random prompts and step until every admitted one decodes; returns how many run
+    (``running``), the wall time of the prefill phase and the sequences."""
+    from oscarkv.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [llm.submit(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params) for _ in range(n_seqs)]
+    _sync()
+    t0 = time.perf_counter()
+    while True:
+        llm.step()
+        running = int(llm.gauges()["running_requests"])
+        if running and sum(1 for s in seqs if s.out) >= running:
+            break
+    _sync()
+    return {"running": running, "prefill_s": time.perf_counter() - t0, "seqs": seqs}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(llm, timer: Timer, steps: int) -> dict:
+    """Median ``LLM.step()`` over ``steps`` decode steps of the running batch (which must stay the same)."""
+    before = int(llm.gauges()["running_requests"])
+    t = timer(llm.step, reps=steps, warmup=WARMUP_STEPS)
+    after = llm.gauges()
+    if int(after["running_requests"]) != before or int(after["waiting_requests"]):
+        raise RuntimeError(f"the batch changed while timed ({before} -> {int(after['running_requests'])} running)")
+    return {"step_ms": t.median_ms, "step_min_ms": t.min_ms, "step_max_ms": t.max_ms, "steps": steps}
+
+
+def _max_tokens(steps: int, n_seqs: int) -> int:
+    """Tokens each request may generate: those decoded while later prompts prefill, the warm-up and the timed
+    steps, and a margin; the prompt plus these stay within the context."""
+    need = n_seqs + WARMUP_STEPS + steps + 1
+    if need + 8 > HEADROOM:
+        raise ValueError(f"steps must be at most {HEADROOM - 9 - WARMUP_STEPS - n_seqs} with {n_seqs} sequences, "
+                         f"got {steps}")
+    return need + 8
+
+
+# ----------------------------------------------------------------------------------------- suites
+def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[[str], None], *, gemv: str = "auto",
+            pdls: tuple[bool, ...] = (True,), max_model_len: int | None = None) -> list[dict]:
+    """One sequence per context, cache and pdl setting: prefill, then the median decode step and its floor."""
+    rows = []
+    for ctx in contexts:
+        for kv in ("bf16", "oscar"):
+            for pdl in pdls:
+                max_tokens = _max_tokens(steps, 1)
+                llm = make_llm(model, kv, max_num_seqs=1, max_model_len=max(ctx, max_model_len or 0),
+                               kv_budget_gb=1.1 * ctx * bf16_bytes_per_token(model) / 2**30 + 0.01, gemv=gemv,
+                               pdl=pdl, prefill_chunk=ctx - HEADROOM)
+                pre = prefill(llm, 1, ctx - HEADROOM, max_tokens)
+                r = time_steps(llm, timer, steps)
+                g, wbytes = llm.gauges(), model.weight_bytes()  # after the OSCAR fold (an o_proj bias for the means)
+                kv_bytes = g["kv_pool_used_bytes"]
+                floor = (wbytes + kv_bytes) / PEAK_BW * 1e3
+                r.update(kv=kv, context=ctx, pdl=pdl, prefill_s=pre["prefill_s"], floor_ms=floor,
+                         ratio_to_floor=r["step_ms"] / floor, kv_bytes_read=kv_bytes, weight_bytes=wbytes,
+                         kv_bits_per_element=g["kv_bits_per_element"],
+                         kv_paged_bits_per_element=g["kv_paged_bits_per_element"])
+                rows.append(r)
+                log(f"  latency {kv:5s} ctx {ctx:>6d} pdl {'on' if pdl else 'off'}: {r['step_ms']:.3f} ms (floor "
+                    f"{floor:.3f}, x{r['ratio_to_floor']:.2f}); prefill {pre['prefill_s']:.1f} s")
+                release(llm)
+    return rows
+
+
+def fit_batch(model, kv: str, ctx: int, budget_gb: float, cap: int, **kw) -> int:
+    """The most sequences of ``ctx`` tokens a ``budget_gb`` pool holds (its slots' 16-bit tiers included:
+    fewer slots leave more pages), at most ``cap``."""
+    def fits(m: int) -> int:
+        llm = make_llm(model, kv, max_num_seqs=m, max_model_len=ctx, kv_budget_gb=budget_gb, **kw)
+        n = int(llm.gauges()["kv_pages_total"]) // pages_per_sequence(llm, ctx)
+        release(llm)
+        return n
+
+    m = min(cap, fits(cap))
+    while m < cap and fits(m + 1) >= m + 1:
+        m += 1
+    if m < 1:
+        raise ValueError(f"not one {ctx}-token sequence fits a {budget_gb} GiB {kv} pool")
+    return m
+
+
+def throughput(model, ctx: int, budget_gb: float, timer: Timer, steps: int, log: Callable[[str], None], *,
+               gemv: str = "auto", pdl: bool = True, cap: int = 64) -> list[dict]:
+    """Per cache, as many ``ctx``-token sequences as fit under one KV budget, decoding together."""
+    rows = []
+    for kv in ("bf16", "oscar"):
+        n = fit_batch(model, kv, ctx, budget_gb, cap, gemv=gemv, pdl=pdl)
+        max_tokens = _max_tokens(steps, n)
+        llm = make_llm(model, kv, max_num_seqs=n, max_model_len=ctx, kv_budget_gb=budget_gb, gemv=gemv, pdl=pdl,
+                       prefill_chunk=ctx - HEADROOM)
+        pre = prefill(llm, n, ctx - HEADROOM, max_tokens)
+        if pre["running"] != n:
+            raise RuntimeError(f"{kv}: {pre['running']} of {n} sequences were admitted under {budget_gb} GiB")
+        r = time_steps(llm, timer, steps)
+        r.update(kv=kv, context=ctx, batch=n, budget_gb=budget_gb, pdl=pdl, prefill_s=pre["prefill_s"],
+                 tokens_per_s=n / r["step_ms"] * 1e3)
+        rows.append(r)
+        log(f"  throughput {kv:5s} ctx {ctx} batch {n:>3d}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s")
+        release(llm)
+    return rows
+
+
+def memory(latency_rows: list[dict], model) -> dict | None:
+    """KV bytes per token at the longest context both caches ran: the paged tier alone, and per sequence with
+    its 16-bit tiers (from the pools' own gauges)."""
+    per_elem = model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 2
+    ok = {kv: [r for r in latency_rows if r["kv"] == kv] for kv in ("bf16", "oscar")}
+    if not all(ok.values()):
+        return None
+    out = {}
+    for kv, rows in ok.items():
+        r = max(rows, key=lambda x: x["context"])
+        out[kv] = {"paged_bytes_per_token": r["kv_paged_bits_per_element"] * per_elem / 8,
+                   "bytes_per_token_at_ctx": r["kv_bits_per_element"] * per_elem / 8, "context": r["context"]}
+    out["ratio_paged"] = out["bf16"]["paged_bytes_per_token"] / out["oscar"]["paged_bytes_per_token"]
+    out["ratio_at_ctx"] = out["bf16"]["bytes_per_token_at_ctx"] / out["oscar"]["bytes_per_token_at_ctx"]
+    return out
+
+
+def latency_table(rows: list[dict]) -> list[str]:
+    """Markdown: per context and pdl setting, BF16 and OSCAR step / floor / ratio and OSCAR's speed-up."""
+    by = {(r["context"], r["kv"], r["pdl"]): r for r in rows}
+    out = ["| context | pdl | BF16 ms | floor | ratio | OSCAR ms | floor | ratio | OSCAR speed-up |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for ctx, pdl in sorted({(k[0], k[2]) for k in by}):
+        b, o = by.get((ctx, "bf16", pdl)), by.get((ctx, "oscar", pdl))
+        if b and o:
+            out.append(f"| {ctx} | {'on' if pdl else 'off'} | {b['step_ms']:.3f} | {b['floor_ms']:.2f} | "
+                       f"{b['ratio_to_floor']:.2f} | {o['step_ms']:.3f} | {o['floor_ms']:.2f} | "
+                       f"{o['ratio_to_floor']:.2f} | {b['step_ms'] / o['step_ms']:.2f}x |")
+    return out
+
+
+# ------------------------------------------------------------------------------------ correctness
+def check_engine(device: str, log: Callable[[str], None], min_match: float = 0.95) -> dict:
+    """The engine against references on a tiny random Qwen3 (float32): BF16 cache, greedy tokens against
+    transformers' ``generate``; on CUDA also the OSCAR cache's tokens against the same engine on the CPU
+    (reference kernels). Raises :class:`CorrectnessError` below ``min_match`` of tokens equal."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from oscarkv.artifact import Calibration, ModelIdentity
+    from oscarkv.config import QuantSpec
+    from oscarkv.engine import LLM, SamplingParams
+    from oscarkv.rotation import random_orthogonal
+
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(cfg).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 40, 300)]
+    new = 24
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+
+    def match(a: list[list[int]], b: list[list[int]]) -> float:
+        return sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / (new * len(prompts))
+
+    res = {}
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p], device=device), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+        got = [o.token_ids for o in LLM(hf, kv="bf16", kv_budget_gb=0.05, max_num_seqs=4).generate(prompts, params)]
+        res["bf16_vs_transformers_token_match"] = match(got, ref)
+        if device == "cuda":
+            spec = QuantSpec(sink=16, window=64, page_size=16, k_clip=0.96, v_clip=0.92)
+            rot = torch.stack([random_orthogonal(64, g) for _ in range(2)])
+            calib = Calibration(spec=spec, model=ModelIdentity("qwen3", 2, 8, 2, 64, 256), r_k=rot, r_v=rot.flip(0),
+                                eig_k=torch.zeros(2, 64), eig_v=torch.zeros(2, 64), mu_k=torch.randn(2, 2, 64) * 0.2,
+                                mu_v=torch.randn(2, 2, 64) * 0.2, k_clip=torch.full((2,), 0.96),
+                                v_clip=torch.full((2,), 0.92))
+            outs = {}
+            for dev in ("cuda", "cpu"):
+                llm = LLM(hf.to(dev), calib, kv="oscar", kv_budget_gb=0.05, max_num_seqs=4,
+                          window_dtype=torch.float32)
+                outs[dev] = [o.token_ids for o in llm.generate(prompts, params)]
+            hf.to(device)
+            res["oscar_cuda_vs_cpu_token_match"] = match(outs["cuda"], outs["cpu"])
+    log(f"  correctness: {res}")
+    bad = {k: v for k, v in res.items() if v < min_match}
+    if bad:
+        raise CorrectnessError(f"engine tokens differ from the reference: {bad} (need >= {min_match})")
+    return res
+
+
+__all__ = ["PEAK_BW", "make_llm", "pages_per_sequence", "prefill", "time_steps", "latency", "throughput", "memory",
+           "fit_batch", "latency_table", "check_engine"]
