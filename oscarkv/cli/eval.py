@@ -3,7 +3,7 @@ studies, with resumable JSONL results, a markdown summary and PNG plots under ``
 
 Examples::
 
-    oscarkv eval --model smollm2-135m --calibration /work/artifacts/smollm2-135m \\
+    oscarkv eval --model smollm2-135m --calibration calibrations/smollm2-135m \\
         --methods bf16,naive-int2,quarot-int2,kivi-2,int4-hadamard,oscar --tasks kld,ppl --context 1024,2048
     oscarkv eval --model smollm2-135m --calibration DIR --tasks niah --context 1024,4096 --niah-depths 0.1,0.5,0.9
     oscarkv eval --model smollm2-135m --study calib-tokens --calib-tokens 500,2000,8000

@@ -3,7 +3,7 @@ memory report (stored bytes against the same tokens in a 16-bit cache).
 
 Example::
 
-    oscarkv generate --model smollm2-135m --calibration /work/artifacts/smollm2-135m --method oscar \\
+    oscarkv generate --model smollm2-135m --calibration calibrations/smollm2-135m --method oscar \\
         --prompt "The three most important ideas in this essay are" --max-new-tokens 64
 """
 

@@ -6,7 +6,7 @@ One layer's cache for one of K or V::
       codes  uint8  [num_pages, Hkv, page_size, d * bits / 8]   quartered packing of method section 3
       scale  meta   [num_pages, Hkv, page_size, d / G]           meta = float16 by default
       offset meta   [num_pages, Hkv, page_size, d / G]
-    keys in "channel pages" (PageFormat(layout="channel"), KIVI-style, issue 9)
+    keys in "channel pages" (PageFormat(layout="channel"), KIVI-style)
       codes  uint8  [num_pages, Hkv, page_size, d * bits / 8]   same token-major quartered packing as above
       scale  meta   [num_pages, Hkv, 1, d]                      one scale/offset per (page, head, channel),
       offset meta   [num_pages, Hkv, 1, d]                      computed over the page's tokens; pages written whole

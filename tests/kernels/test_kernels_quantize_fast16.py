@@ -315,7 +315,7 @@ def test_fast16_default_sparse_rows_bit_exact():
     The spread row starts at 2^15 (not bfloat16 2^119 as in the window tests): its clipped range must fit the
     float16 metadata. ``quant.quantize`` rejects a row whose scale or offset overflows the metadata dtype (the
     row would dequantize to NaN); the kernels skip that check, and there the compiled kernel's codes differ
-    from the reference's (H200, session 17: at 2^119, 26-29 of 128 codes, also at session 15's kernel, without
+    from the reference's (H200, commit b61d1df: at 2^119, 26-29 of 128 codes, also at commit 995a66a's kernel, without
     windows, and with the plain-Triton twins of the inline assembly), so such rows are outside what is compared."""
     g = torch.Generator().manual_seed(12)
     d, n_rows = 128, 16  # one row block (16 rows at one warp); row 5 (n_rows // 3) is a padding row

@@ -279,7 +279,7 @@ def _decode_step(q: Tensor, k: Tensor, v: Tensor, kv: tuple[QuantPages, QuantPag
                  p: LayerParams, m: StepMeta, out: Tensor | None) -> Tensor:
     """:func:`quant_step` for a step of decode rows only (with windows): the same values in 6-7 launches instead
     of ~25 torch ops. An eager vLLM step is bound by the host's op issue (H200 machine: 1.4 ms of host time per
-    layer against 0.43 ms on the GPU at 34 x 32K, benchmarks/vllm_layer_probe.py), so fewer ops is faster."""
+    layer against 0.43 ms on the GPU at 34 x 32K, a layer probe, git 3106180), so fewer ops is faster."""
     quantize_write, decode_attention, _, rotate_rows = ops()
     T = m.num_tokens
     kp, vp = kv

@@ -2,7 +2,7 @@
 
 An eager vLLM step issues each layer's attention op by op; on the H200 machine that host work (~1.2-1.4 ms per
 layer for the 7 launches of :func:`.core.quant_step`'s decode path, Python dominated) exceeds the GPU's 0.34 ms
-(benchmarks/vllm_layer_probe.py). So a decode-only step is padded to a bucket of batch sizes, its metadata copied
+(a layer probe, git 3106180). So a decode-only step is padded to a bucket of batch sizes, its metadata copied
 into persistent buffers (:class:`StaticDecode`, once per step), and each layer replays a graph captured for that
 bucket (:class:`LayerGraphs`): per layer the host then copies q/k/v in, replays, and copies the output out.
 
