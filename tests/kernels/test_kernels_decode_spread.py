@@ -14,6 +14,7 @@ from oscarkv.kernels.plan import DecodePlan
 from oscarkv.kernels.reference import decode_attention_ref
 
 GPU = DEVICE.type == "cuda"
+pytestmark = pytest.mark.interpret if not GPU else []  # the CPU interpreter runs these: CI's slow tier
 
 
 @pytest.mark.parametrize("geo", [

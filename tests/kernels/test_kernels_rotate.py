@@ -9,6 +9,8 @@ from oscarkv.kernels.reference import rotate_rows_ref
 from oscarkv.kernels.rotate_triton import rotate_rows_triton
 from oscarkv.rotation import random_orthogonal
 
+pytestmark = pytest.mark.interpret if not torch.cuda.is_available() else []  # CPU interpreter: CI's slow tier
+
 
 @pytest.mark.parametrize("n", [1, 5, 37])
 @pytest.mark.parametrize("case", ["query", "key_ring", "output"])
