@@ -22,6 +22,7 @@ def cpu_run(tiny, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the shared CLI run takes minutes on 2 cores
 def test_cli_runs_every_task_on_cpu(cpu_run):
     s = summary(cpu_run)
     check_properties(s)
@@ -34,6 +35,7 @@ def test_cli_runs_every_task_on_cpu(cpu_run):
     assert "By variant" in (cpu_run / "summary.md").read_text()
 
 
+@pytest.mark.slow  # the shared CLI run takes minutes on 2 cores
 def test_bfloat16_model_runs_and_never_mixes_with_float32_units(tiny, cpu_run, tmp_path):
     import shutil
 
@@ -59,6 +61,7 @@ def test_fp32_pseudo_method_is_refused_on_a_16_bit_model(tiny, tmp_path, capsys)
                     tasks=["kld"]) == 2
 
 
+@pytest.mark.slow  # the shared CLI run takes minutes on 2 cores
 def test_reference_kernels_are_recorded_and_give_the_same_niah_outputs(tiny, cpu_run, tmp_path):
     out = tmp_path / "out"
     methods = ["bf16", "oscar", "oscar-auto", "naive-int2"]

@@ -138,6 +138,7 @@ def make_sim(tiers, dtype16):
     return sim
 
 
+@pytest.mark.slow  # 24 cases of 16-bit CPU numerics: minutes on 2 cores
 @pytest.mark.parametrize("tiers", list(TIERS), ids=list(TIERS))
 # every dtype as activations and as 16-bit tiers, equal and narrower/wider tiers than activations
 @pytest.mark.parametrize("act,dtype16", dtype_pairs((BF16, BF16), (F32, F32), (F32, BF16), (BF16, F32), (BF16, F16)))
