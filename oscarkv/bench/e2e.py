@@ -100,6 +100,11 @@ def time_steps(llm, timer: Timer, steps: int) -> dict:
     return {"step_ms": t.median_ms, "step_min_ms": t.min_ms, "step_max_ms": t.max_ms, "steps": steps}
 
 
+def _check_context(ctx: int) -> None:
+    if ctx <= 2 * HEADROOM:
+        raise ValueError(f"contexts must exceed {2 * HEADROOM} tokens (prompts stop {HEADROOM} short), got {ctx}")
+
+
 def _max_tokens(steps: int, n_seqs: int) -> int:
     """Tokens each request may generate: those decoded while later prompts prefill, the warm-up and the timed
     steps, and a margin; the prompt plus these stay within the context."""
@@ -116,6 +121,7 @@ def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[
     """One sequence per context, cache and pdl setting: prefill, then the median decode step and its floor."""
     rows = []
     for ctx in contexts:
+        _check_context(ctx)
         for kv in ("bf16", "oscar"):
             for pdl in pdls:
                 max_tokens = _max_tokens(steps, 1)
@@ -158,6 +164,7 @@ def fit_batch(model, kv: str, ctx: int, budget_gb: float, cap: int, **kw) -> int
 def throughput(model, ctx: int, budget_gb: float, timer: Timer, steps: int, log: Callable[[str], None], *,
                gemv: str = "auto", pdl: bool = True, cap: int = 64) -> list[dict]:
     """Per cache, as many ``ctx``-token sequences as fit under one KV budget, decoding together."""
+    _check_context(ctx)
     rows = []
     for kv in ("bf16", "oscar"):
         n = fit_batch(model, kv, ctx, budget_gb, cap, gemv=gemv, pdl=pdl)

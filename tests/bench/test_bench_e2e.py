@@ -48,9 +48,11 @@ def test_throughput_runs_as_many_sequences_as_the_budget_holds(model, timer):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
 
 
-def test_timed_steps_must_fit_the_headroom(model, timer):
+def test_timed_steps_and_contexts_must_fit_the_headroom(model, timer):
     with pytest.raises(ValueError, match="steps must be at most"):
         e2e.latency(model, [448], timer, steps=120, log=lambda s: None)
+    with pytest.raises(ValueError, match="contexts must exceed"):
+        e2e.latency(model, [200], timer, steps=3, log=lambda s: None)
 
 
 def test_engine_check_passes_on_cpu_and_gates_on_a_mismatch():
