@@ -23,8 +23,6 @@ import importlib
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -32,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from oscarkv.bench.harness import Timer, provenance
 from oscarkv.kernels import dispatch
 from oscarkv.kernels.layout import PageFormat, QuantPages
 from oscarkv.kernels.plan import DecodePlan
@@ -42,48 +41,15 @@ FORMATS = {f"{lay}{kb}/token{vb}": (kb, lay, vb) for lay in ("token", "channel")
 DECODE_BUDGET = 6e-3  # bfloat16 output (tests/kernels/test_kernels_decode.py)
 
 
-def provenance(git_sha: str) -> dict:
-    import triton
-
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,memory.total",
-                          "--format=csv,noheader"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"gpu": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "git_sha": git_sha, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-_FLUSH = None
+_TIMER = None
 
 
 def timeit(fn, reps: int = 30, graph: bool = True) -> float:
     """Median milliseconds of ``fn`` (replayed from a CUDA graph) with a cold L2 before each replay."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    times = []
-    for _ in range(reps):
-        _FLUSH.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    global _TIMER
+    if _TIMER is None:
+        _TIMER = Timer("cuda")
+    return _TIMER(fn, reps=reps, graph=graph).median_ms
 
 
 def formats(name: str) -> tuple[PageFormat, PageFormat]:
@@ -281,7 +247,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: decode, extend, quantize")
     ap.add_argument("--before", default=None, help="a directory holding an earlier checkout as oscarkv_before")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--git-sha", default=None, help="commit of the code run (default: this checkout's HEAD)")
     args = ap.parse_args()
     names = args.formats.split(",")
     bad = [n for n in names if n not in FORMATS]

@@ -21,7 +21,7 @@ def _configs():
 
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_gemv_matches_cublas_bf16(M):
-    from oscarkv.kernels import dense_triton, gemv_triton
+    from oscarkv.kernels import gemv_triton
     from oscarkv.kernels import reference as ref
 
     g = torch.Generator(device=DEV).manual_seed(M)

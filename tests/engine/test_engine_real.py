@@ -1,7 +1,6 @@
 """The engine on a real model (SmolLM2-135M, CPU, float32): greedy text equals transformers'."""
 
 import pytest
-import torch
 
 
 @pytest.mark.slow  # the first run converts the GGUF (minutes); later runs take seconds

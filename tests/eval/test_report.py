@@ -1,7 +1,7 @@
 import json
 
 from oscarkv.cli import main
-from oscarkv.eval.report import aggregate, markdown_tables, write_report
+from oscarkv.eval.report import aggregate, markdown_tables
 from oscarkv.eval.store import ResultStore
 
 
