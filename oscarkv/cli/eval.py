@@ -100,21 +100,21 @@ def run(args: argparse.Namespace) -> int:
         print("error: --model is required (or --report-only)", file=sys.stderr)
         return 2
     try:
-        session, plan = _build(args)
+        ctx, plan = _build(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.study:
         from oscarkv.eval.studies import run_study
 
-        text = run_study(session, args.study, method=args.study_method, tokens=args.calib_tokens,
+        text = run_study(ctx, args.study, method=args.study_method, tokens=args.calib_tokens,
                          corpora=args.calib_data, contexts=args.context, windows=args.windows,
                          calib_dir=out / "calibrations")
         print(text)
         return 0
     from oscarkv.eval.runner import evaluate
 
-    result = evaluate(session, plan)
+    result = evaluate(ctx, plan)
     print(Path(result["report"]).read_text())
     print(f"new units: {result['new_units']}; report: {result['report']}", file=sys.stderr)
     return 0
@@ -127,7 +127,7 @@ def _build(args: argparse.Namespace):
     from oscarkv.artifact import Calibration
     from oscarkv.eval.backend import HFBackend
     from oscarkv.eval.runner import Plan
-    from oscarkv.eval.session import Session
+    from oscarkv.eval.context import EvalContext
     from oscarkv.eval.store import ResultStore
     from oscarkv.eval.texts import load_eval_text
 
@@ -160,13 +160,13 @@ def _build(args: argparse.Namespace):
     out = Path(args.out)
     ref = None if args.ref_cache == "none" else Path(args.ref_cache or out / ".ref")
     backend = HFBackend(calib, extra, kernels=getattr(args, "kernels", "auto"))
-    session = Session(model=model, tokenizer=tok, model_name=_model_name(args.model), backend=backend,
+    ctx = EvalContext(model=model, tokenizer=tok, model_name=_model_name(args.model), backend=backend,
                       store=ResultStore(out), text=load_eval_text(args.data), calibration=calib,
                       score_from=score_from, reference=args.reference, ref_dir=ref, progress=not args.quiet)
     from oscarkv.eval.runner import numerics_info
 
-    print("numerics: " + ", ".join(f"{k} {v}" for k, v in numerics_info(session).items()), file=sys.stderr)
-    return session, plan
+    print("numerics: " + ", ".join(f"{k} {v}" for k, v in numerics_info(ctx).items()), file=sys.stderr)
+    return ctx, plan
 
 
 def _model_name(name: str) -> str:

@@ -13,13 +13,13 @@ from .metrics import TokenStats, first_divergence, kl_rows, relative_error, toke
 from .niah import NiahGenerator, Sample, Variant
 from .report import aggregate, markdown_tables, write_report
 from .runner import MAIN_METHODS, TASKS, Plan, evaluate
-from .session import Session, calibration_tag
+from .context import EvalContext, calibration_tag
 from .store import ResultStore
 from .texts import EvalText, load_eval_text
 
 __all__ = [
     "Backend", "HFBackend", "final_hidden", "greedy_generate", "output_head", "TokenStats", "first_divergence",
     "kl_rows", "relative_error", "token_stats", "NiahGenerator", "Sample", "Variant", "aggregate",
-    "markdown_tables", "write_report", "MAIN_METHODS", "TASKS", "Plan", "evaluate", "Session",
+    "markdown_tables", "write_report", "MAIN_METHODS", "TASKS", "Plan", "evaluate", "EvalContext",
     "calibration_tag", "ResultStore", "EvalText", "load_eval_text",
 ]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .backend import decoder, final_hidden, output_head
 from .metrics import relative_error
-from .session import Session
+from .context import EvalContext
 
 TASK = "fidelity"
 
@@ -60,7 +60,7 @@ def scored_positions(length: int, score_from: int, max_positions: int) -> Tensor
     return torch.unique(idx)
 
 
-def run_fidelity(s: Session, methods: list[str], length: int, n_windows: int, *, max_positions: int = 256) -> list[dict]:
+def run_fidelity(s: EvalContext, methods: list[str], length: int, n_windows: int, *, max_positions: int = 256) -> list[dict]:
     """Per-layer attention-output and logit relative errors of each method on up to ``n_windows`` windows."""
     wins = s.windows(length, n_windows)
     pos = scored_positions(length, s.score_from, max_positions)
@@ -86,7 +86,7 @@ def run_fidelity(s: Session, methods: list[str], length: int, n_windows: int, *,
     return new
 
 
-def _pass(s: Session, ids: Tensor, pos: Tensor, method: str) -> tuple[list[Tensor], Tensor]:
+def _pass(s: EvalContext, ids: Tensor, pos: Tensor, method: str) -> tuple[list[Tensor], Tensor]:
     with s.simulate(method), capture_attention(s.model, pos) as attn:
         h = final_hidden(s.model, ids)
     if any(a is None for a in attn):

@@ -23,14 +23,14 @@ from tqdm.auto import tqdm
 
 from .backend import final_hidden, greedy_generate, output_head
 from .metrics import first_divergence
-from .session import Session
+from .context import EvalContext
 from .store import read_jsonl
 
 TASK = "greedy"
 
 
 def run_greedy(
-    s: Session, methods: list[str], length: int, n_prompts: int, *, new_tokens: int = 32, mode: str = "teacher",
+    s: EvalContext, methods: list[str], length: int, n_prompts: int, *, new_tokens: int = 32, mode: str = "teacher",
 ) -> list[dict]:
     """Greedy agreement of ``methods`` with the reference on ``n_prompts`` prompts of ``length`` tokens."""
     if mode not in ("teacher", "decode"):
@@ -69,7 +69,7 @@ def run_greedy(
     return new
 
 
-def _method_tokens(s: Session, method: str, prompt, ref: list[int], head, mode: str) -> list[int]:
+def _method_tokens(s: EvalContext, method: str, prompt, ref: list[int], head, mode: str) -> list[int]:
     T = prompt.numel()
     if mode == "decode":
         with s.cache(method) as new_cache:
@@ -80,7 +80,7 @@ def _method_tokens(s: Session, method: str, prompt, ref: list[int], head, mode: 
     return head(h[T - 1 :]).argmax(-1).tolist()
 
 
-def _records(s: Session, path, run) -> list[dict]:
+def _records(s: EvalContext, path, run) -> list[dict]:
     return [r for r in read_jsonl(path) if r.get("run") == run]
 
 

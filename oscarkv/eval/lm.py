@@ -16,12 +16,12 @@ from tqdm.auto import tqdm
 
 from .backend import final_hidden, output_head
 from .metrics import peak_memory, token_stats
-from .session import Session
+from .context import EvalContext
 
 TASK = "lm"
 
 
-def run_lm(s: Session, methods: list[str], length: int, n_windows: int, *, chunk: int = 256) -> list[dict]:
+def run_lm(s: EvalContext, methods: list[str], length: int, n_windows: int, *, chunk: int = 256) -> list[dict]:
     """Evaluate ``methods`` on up to ``n_windows`` windows of ``length`` tokens; returns the new records
     (finished units found in the store are skipped)."""
     wins = s.windows(length, n_windows)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from .backend import greedy_generate
 from .metrics import peak_memory
-from .session import Session
+from .context import EvalContext
 from .texts import bos_id
 
 TASK = "niah"
@@ -183,7 +183,7 @@ class NiahGenerator:
 
 
 def run_niah(
-    s: Session, methods: list[str], lengths: Sequence[int], depths: Sequence[float], variants: Sequence[Variant],
+    s: EvalContext, methods: list[str], lengths: Sequence[int], depths: Sequence[float], variants: Sequence[Variant],
     samples: int, *, chunk: int = 256, essay_text: str | None = None,
 ) -> list[dict]:
     """Evaluate every method on every (variant, length, depth, seed) sample; resumable per unit."""

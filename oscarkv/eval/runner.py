@@ -12,7 +12,7 @@ from .greedy import run_greedy
 from .lm import run_lm
 from .niah import Variant, run_niah
 from .report import write_report
-from .session import Session
+from .context import EvalContext
 
 TASKS = ("kld", "ppl", "niah", "greedy", "fidelity")
 MAIN_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar")
@@ -49,7 +49,7 @@ class Plan:
             Variant.parse(v)
 
 
-def evaluate(s: Session, plan: Plan, *, report: bool = True) -> dict:
+def evaluate(s: EvalContext, plan: Plan, *, report: bool = True) -> dict:
     """Run ``plan`` in the order cheap-to-expensive; every finished unit is in the store as soon as it ends."""
     _write_methods_info(s, plan.methods)
     counts: dict[str, int] = {}
@@ -74,7 +74,7 @@ def evaluate(s: Session, plan: Plan, *, report: bool = True) -> dict:
     return out
 
 
-def _essays(s: Session) -> str:
+def _essays(s: EvalContext) -> str:
     """Held-out essays for the NIAH haystack (the evaluation text itself when it already is the essays or a file)."""
     if s.text.name == "essays" or s.text.provenance.get("kind") == "file":
         return s.text.text
@@ -83,7 +83,7 @@ def _essays(s: Session) -> str:
     return load_eval_text("essays").text
 
 
-def _write_methods_info(s: Session, methods: Sequence[str]) -> None:
+def _write_methods_info(s: EvalContext, methods: Sequence[str]) -> None:
     """``<out>/<model>/methods.json``: per method, bits per element and what the backend says about it."""
     path = Path(s.store.root) / s.store.path(s.model_name, "x", "x", "x", 0).parent.parent.parent.name / "methods.json"
     info = json.loads(path.read_text()) if path.is_file() else {"model": s.model_name, "methods": {}}
@@ -97,7 +97,7 @@ def _write_methods_info(s: Session, methods: Sequence[str]) -> None:
     path.write_text(json.dumps(info, indent=1, default=str) + "\n")
 
 
-def numerics_info(s: Session) -> dict:
+def numerics_info(s: EvalContext) -> dict:
     """Where and how the run computes: device, model dtype, the caches' kernel choice, and on CUDA the GPU and
     whether float32 matrix products may use TF32 (they must not for results comparable with the CPU)."""
     import torch

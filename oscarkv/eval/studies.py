@@ -1,6 +1,6 @@
 """Calibration studies: quality vs calibration tokens, and under distribution shift (corpus, chat template).
 
-Each study calibrates the session's model several times (artifacts are kept under ``calib_dir`` and reused by a
+Each study calibrates the ctx's model several times (artifacts are kept under ``calib_dir`` and reused by a
 rerun), evaluates one method with each calibration through the ordinary teacher-forced KLD/PPL task (so results
 are resumable like any other), and returns a markdown table with a one-line recommendation.
 """
@@ -14,13 +14,13 @@ from typing import Sequence
 from .lm import TASK as LM_TASK
 from .lm import run_lm
 from .report import aggregate
-from .session import Session
+from .context import EvalContext
 from .store import safe_name
 
 CHAT = "+chat"
 
 
-def _calibration(s: Session, corpus: str, tokens: int, calib_dir: Path):
+def _calibration(s: EvalContext, corpus: str, tokens: int, calib_dir: Path):
     """Load or compute (then save) the calibration of ``corpus`` (``NAME+chat``: chat-templated) at ``tokens``."""
     from ..artifact import Calibration
     from ..calib import calibrate
@@ -38,7 +38,7 @@ def _calibration(s: Session, corpus: str, tokens: int, calib_dir: Path):
     return calib
 
 
-def _evaluate(s: Session, labels: dict[str, object], method: str, contexts: Sequence[int], windows: int) -> dict:
+def _evaluate(s: EvalContext, labels: dict[str, object], method: str, contexts: Sequence[int], windows: int) -> dict:
     extra = getattr(s.backend, "extra", None)
     if extra is None:
         raise ValueError("calibration studies need the HF backend (method@label calibrations)")
@@ -54,7 +54,7 @@ def _evaluate(s: Session, labels: dict[str, object], method: str, contexts: Sequ
     return aggregate(recs)
 
 
-def run_study(s: Session, study: str, *, method: str = "oscar", tokens: Sequence[int] = (500, 2000, 8000, 32000),
+def run_study(s: EvalContext, study: str, *, method: str = "oscar", tokens: Sequence[int] = (500, 2000, 8000, 32000),
               corpora: Sequence[str] = ("shakespeare", "kjv", "shakespeare+chat"), contexts: Sequence[int] = (1024,),
               windows: int = 2, calib_dir: str | Path = "calibrations") -> str:
     """Run ``study`` ("calib-tokens" or "shift") and return its markdown summary with a recommendation."""

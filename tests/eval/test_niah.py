@@ -38,8 +38,8 @@ def test_variant_parse_rejects_unknown():
         Variant.parse("single-number-lorem")
 
 
-def test_copy_model_finds_planted_needle_and_forgetful_cache_does_not(tiny_session):
-    s = tiny_session(model=CopyModel(), backend=CopyBackend(), text=ESSAY)
+def test_copy_model_finds_planted_needle_and_forgetful_cache_does_not(tiny_context):
+    s = tiny_context(model=CopyModel(), backend=CopyBackend(), text=ESSAY)
     s.tokenizer = WordTokenizer()
     recs = run_niah(s, ["bf16", "forgetful"], [200, 400], [0.1, 0.5], [Variant.parse("single-number-essay"),
                     Variant.parse("multikey-word-noise")], samples=2, chunk=64)

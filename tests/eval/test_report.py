@@ -56,4 +56,4 @@ def test_cli_threads(tmp_path, capsys):
         assert main(["eval", "--threads", "1", "--report-only", "--out", str(tmp_path)]) == 0
         assert torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(threads)  # the CLI sets it for its process; restore for the rest of the session
+        torch.set_num_threads(threads)  # the CLI sets it for its process; restore it for the tests that follow

@@ -21,7 +21,7 @@ FP32 = "fp32"
 
 
 @dataclass
-class Session:
+class EvalContext:
     """Everything the task runners share. ``score_from``: first scored position of teacher-forced metrics
     (``sink + window`` of the calibration's spec unless given). ``reference``: the method every other one is
     compared with ("bf16": K/V held in the 16-bit cache; "fp32": the unmodified model, a pseudo-method that
@@ -159,4 +159,4 @@ class Session:
         return h
 
 
-__all__ = ["Session", "calibration_tag", "FP32"]
+__all__ = ["EvalContext", "calibration_tag", "FP32"]
