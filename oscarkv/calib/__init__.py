@@ -38,7 +38,7 @@ def check_model(model: Any, spec: QuantSpec, name: str = "") -> ModelIdentity:
 def plan_chunks(data: DataLike, tokenizer: Any, *, tokens: int, seq_len: int, seed: int, holdout: float,
                 chat_template: bool = False) -> tuple[list[Tensor], list[Tensor], dict]:
     """``(stats_chunks, holdout_chunks, data_provenance)`` for a token budget; chunks are LongTensors ``[n]``."""
-    from ..data import Chunks, Corpus, chunk_lengths, load_corpus, sample_chunks
+    from ..data import Chunks, Corpus, chunk_lengths, load_corpus, mix_parts, sample_chunks, sample_mixed_chunks
 
     n_hold = int(round(tokens * holdout))
     if isinstance(data, Chunks) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], Tensor)):
@@ -47,13 +47,24 @@ def plan_chunks(data: DataLike, tokenizer: Any, *, tokens: int, seq_len: int, se
     if tokenizer is None:
         raise ValueError("text data needs a tokenizer (or pass pre-tokenized chunks)")
     corpus = data if isinstance(data, Corpus) else None
+    mix: list[Corpus] = []
     if isinstance(data, (str, os.PathLike)):
-        corpus = load_corpus(data, "calibration")
+        parts = mix_parts(str(data)) if not os.path.isfile(data) else [str(data)]
+        if len(parts) > 1:
+            mix = [load_corpus(p, "calibration") for p in parts]
+        else:
+            corpus = load_corpus(data, "calibration")
     stat_len = chunk_lengths(tokens - n_hold, seq_len)
-    hold_len = chunk_lengths(n_hold, seq_len) if n_hold else []
-    sampled = sample_chunks(tokenizer, corpus if corpus is not None else list(data), stat_len + hold_len,
-                            seed=seed, chat_template=chat_template)
-    prov = corpus.describe() if corpus is not None else {"kind": "texts", "count": len(data)}
+    hold_len = []
+    if n_hold:  # a mix holds out one chunk per corpus where the budget allows (chunks of at least 256 tokens)
+        hold_len = chunk_lengths(n_hold, max(256, -(-n_hold // len(mix))) if mix else seq_len)
+    if mix:
+        sampled = sample_mixed_chunks(tokenizer, mix, stat_len + hold_len, seed=seed, chat_template=chat_template)
+        prov = {"corpus": str(data), "split": "calibration", "mix": [c.describe() for c in mix]}
+    else:
+        sampled = sample_chunks(tokenizer, corpus if corpus is not None else list(data), stat_len + hold_len,
+                                seed=seed, chat_template=chat_template)
+        prov = corpus.describe() if corpus is not None else {"kind": "texts", "count": len(data)}
     prov["chunks"] = [f"{name}@{off}" for name, off in sampled.origin]
     k = len(stat_len)
     return sampled.input_ids[:k], sampled.input_ids[k:], prov

@@ -2,7 +2,7 @@
 
 The harness needs two things from a method, and nothing else:
 
-* ``simulate(model, method, prompt_len=0)``: a context manager under which ONE full forward pass gives, at every
+* ``simulate(model, method, prompt_len=0, chunk=1)``: a context manager under which ONE full forward pass gives, at every
   position, the logits a token-by-token decode through the method's cache would give (teacher forcing: KLD,
   PPL, greedy agreement, fidelity); the first ``prompt_len`` tokens count as a prompt prefilled in one pass.
 * ``cache(model, method)``: a context manager yielding a factory of fresh cache objects to pass to the model as
@@ -27,7 +27,7 @@ KERNELS = ("auto", "reference")
 class Backend(Protocol):
     """What the evaluation harness needs from a set of KV-cache methods."""
 
-    def simulate(self, model: Any, method: str, prompt_len: int = 0) -> ContextManager[Any]: ...
+    def simulate(self, model: Any, method: str, prompt_len: int = 0, chunk: int = 1) -> ContextManager[Any]: ...
 
     def cache(self, model: Any, method: str) -> ContextManager[Callable[[], Any]]: ...
 
@@ -55,6 +55,7 @@ class HFBackend:
         self.extra = dict(extra or {})
         self.kernels = kernels
         self._tags: dict[int, str] = {}
+        self._recipes: dict[tuple[int, str], Any] = {}
 
     def split(self, method: str) -> tuple[str, Any]:
         """``(registry name, calibration)`` of ``method`` or ``method@label``."""
@@ -83,11 +84,11 @@ class HFBackend:
             calib = Calibration.identity(ModelIdentity.from_config(model.config))
         return base, calib
 
-    def simulate(self, model: Any, method: str, prompt_len: int = 0) -> ContextManager[Any]:
+    def simulate(self, model: Any, method: str, prompt_len: int = 0, chunk: int = 1) -> ContextManager[Any]:
         from .. import hf
 
         base, calib = self._resolve(model, method)
-        return hf.simulate(model, calib, base, prompt_len=prompt_len)
+        return hf.simulate(model, calib, base, prompt_len=prompt_len, chunk=chunk)
 
     @contextlib.contextmanager
     def cache(self, model: Any, method: str) -> Iterator[Callable[[], Any]]:
@@ -104,6 +105,32 @@ class HFBackend:
             remove = getattr(handle, "remove", None) or getattr(handle, "restore", None)
             if callable(remove):
                 remove()
+
+    def recipe(self, model: Any, method: str) -> Any:
+        """The :class:`oscarkv.methods.Recipe` ``method`` stores the model's K/V with (resolved once)."""
+        import warnings
+
+        from .. import methods
+
+        key = (id(model), method)
+        if key not in self._recipes:
+            base, calib = self._resolve(model, method)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # resolve()'s warnings are about numerics, not the layout
+                self._recipes[key] = methods.resolve(base, calib)
+        return self._recipes[key]
+
+    def physical_bits(self, model: Any, method: str, tokens: list[int]) -> list[float]:
+        """Bits per stored K/V element after each of ``tokens`` tokens, 16-bit tiers and layers the cache keeps
+        in 16-bit (sliding-window layers) included."""
+        from ..hf.prepare import full_attention_layers
+        from .paths import physical_bits
+
+        recipe = self.recipe(model, method)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        d = self._resolve(model, method)[1].model.head_dim
+        mask = full_attention_layers(cfg)
+        return [round(physical_bits(recipe, d, t, mask), 4) for t in tokens]
 
     def describe(self, model: Any, method: str) -> dict:
         """Nominal bits per element of the quantized tier (K and V averaged) and the method's description."""
@@ -206,13 +233,13 @@ def _next_token_logits(model: Any) -> Callable[[Tensor, Any], Tensor]:
     try:
         body, head = decoder(model), output_head(model)
     except (ValueError, AttributeError):
-        kw = _cache_kwarg(model)
+        kw = cache_kwarg(model)
         return lambda ids, cache: model(input_ids=ids, **{kw: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
-    kw = _cache_kwarg(body)
+    kw = cache_kwarg(body)
     return lambda ids, cache: head(body(input_ids=ids, **{kw: cache}, use_cache=True).last_hidden_state[0, -1:])[0]
 
 
-def _cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: Any) -> str:
     """``cache`` where the model's forward takes it (transformers >= 5.2x), else ``past_key_values``."""
     import inspect
 
@@ -223,4 +250,4 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate"]
+__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate", "cache_kwarg"]

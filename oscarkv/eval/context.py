@@ -41,6 +41,8 @@ class EvalContext:
     progress: bool = True
     log: Any = print
     _tokens: Tensor | None = field(default=None, repr=False)
+    _tokens_all: bool = field(default=False, repr=False)
+    _lines: Any = field(default=None, repr=False)
     _calib_tag: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,14 +67,37 @@ class EvalContext:
         return {} if n in ({}, {"device": "cpu", "dtype": "float32"}) else {"numerics": n}
 
     # ------------------------------------------------------------------------------------------ text
-    @property
-    def tokens(self) -> Tensor:
-        if self._tokens is None:
-            self._tokens = tokenize(self.tokenizer, self.text.text)
-        return self._tokens
+    def tokens(self, needed: int | None = None) -> Tensor:
+        """Token ids of the text, at least the first ``needed`` of them (all for ``None``). A long text (the
+        standard library's sources are ~2M tokens) is tokenized only as far as needed: a prefix of the text,
+        cut at a line break and grown until it yields ``needed`` tokens plus a margin; the tokens before the
+        cut are the whole text's (tokenizers split at whitespace first)."""
+        text = self.text.text
+        if self._tokens is not None and (needed is None or self._tokens.numel() >= needed or self._tokens_all):
+            return self._tokens
+        chars = len(text) if needed is None else min(len(text), 8 * needed + 4096)
+        while True:
+            cut = len(text) if chars >= len(text) else text.rfind("\n", 0, chars) + 1 or chars
+            ids = tokenize(self.tokenizer, text[:cut])
+            if cut >= len(text):
+                self._tokens, self._tokens_all = ids, True
+                return ids
+            if needed is not None and ids.numel() >= needed + 64:
+                self._tokens, self._tokens_all = ids[: ids.numel() - 64], False  # drop tokens near the cut
+                return self._tokens
+            chars *= 2
 
     def windows(self, length: int, count: int) -> list[Tensor]:
-        return windows(self.tokens, length, count, bos_id(self.tokenizer))
+        return windows(self.tokens(length * count), length, count, bos_id(self.tokenizer))
+
+    def line_table(self) -> Any:
+        """The next-line table of the tokenizer (:class:`oscarkv.eval.lines.LineTable`), built once."""
+        if self._lines is None:
+            from .lines import LineTable
+
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self._lines = LineTable(self.tokenizer, vocab)
+        return self._lines
 
     @property
     def calib_tag(self) -> str:
@@ -103,11 +128,20 @@ class EvalContext:
             **self.numerics,
         }
 
-    def cache_protocol(self) -> dict:
+    def cache_protocol(self, force: bool = False) -> dict:
         """Protocol keys of the tasks that decode through a cache: the backend's kernel choice, where it is not
-        the default (``"auto"``) or the model runs on CUDA (the only device where the choice changes numerics)."""
+        the default (``"auto"``) or the model runs on CUDA (the only device where the choice changes numerics),
+        or always with ``force`` (tasks new enough to have no results on file without it)."""
         kernels = getattr(self.backend, "kernels", "auto")
-        return {"kernels": kernels} if kernels != "auto" or self.numerics.get("device") == "cuda" else {}
+        return {"kernels": kernels} if force or kernels != "auto" or self.numerics.get("device") == "cuda" else {}
+
+    def physical_bits(self, method: str, tokens: list[int]) -> list[float] | None:
+        """Bits per stored K/V element of ``method``'s cache holding each of ``tokens`` tokens (16-bit tiers
+        counted; :func:`oscarkv.eval.paths.physical_bits`), or None where the backend cannot tell."""
+        if method == FP32:
+            return [32.0] * len(tokens)
+        fn = getattr(self.backend, "physical_bits", None)
+        return fn(self.model, method, tokens) if callable(fn) else None
 
     # ------------------------------------------------------------------------------------ methods
     def simulate(self, method: str, **kwargs: Any) -> Any:
