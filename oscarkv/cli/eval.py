@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_METHODS = "bf16,naive-int2,quarot-int2,kivi-2,int4-hadamard,oscar"
@@ -44,8 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="another artifact, used by methods written METHOD@LABEL (e.g. oscar@head); repeatable")
     p.add_argument("--methods", type=_names, default=_names(DEFAULT_METHODS),
                    help=f"comma-separated methods (default {DEFAULT_METHODS}); 'fp32' = the unmodified model")
-    p.add_argument("--tasks", type=_names, default=["kld", "ppl"], help="kld,ppl,niah,greedy,fidelity (default kld,ppl)")
-    p.add_argument("--data", default="essays", help="held-out text: essays | shakespeare | kjv | a .txt file (default essays)")
+    p.add_argument("--tasks", type=_names, default=["kld", "ppl"],
+                   help="kld,ppl,code,niah,greedy,fidelity,longgen (default kld,ppl; code = kld/ppl plus next-line "
+                   "exact match of every line, for code text)")
+    p.add_argument("--data", default="essays",
+                   help="held-out text: essays | shakespeare | kjv | code | docs | a .txt file (default essays)")
     p.add_argument("--context", type=_ints, default=[1024, 2048], help="context lengths (default 1024,2048)")
     p.add_argument("--windows", type=int, default=4, help="windows per context length for kld/ppl/fidelity (default 4)")
     p.add_argument("--score-from", type=int, help="first scored position (default: sink + window of the calibration)")
@@ -55,7 +59,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--niah-variants", type=_names, default=["single-number-essay", "multikey-word-noise"],
                    help="kind-value-haystack list (kinds single|multikey, values number|word, haystacks essay|noise)")
     p.add_argument("--niah-samples", type=int, default=1, help="seeds per (variant, length, depth) (default 1)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="NIAH chunked-prefill size (default 256)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="tokens per chunk of every chunked prefill through a cache: NIAH, and --path cache (default 256)")
+    p.add_argument("--path", choices=("auto", "simulate", "cache"), default="auto",
+                   help="teacher-forced tasks (kld, ppl, code, longgen): simulate (exact decode semantics, PyTorch), "
+                   "cache (chunked prefill through the real cache: the kernels on CUDA) or auto (default: cache on "
+                   "CUDA, simulate elsewhere)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="windows, NIAH samples or long-generation prompts per cache batch (default 1)")
+    p.add_argument("--bucket", type=int, default=1024, help="positions per bucket of the curves (default 1024)")
+    p.add_argument("--longgen-prompts", type=int, default=4, help="long generation: prompts (default 4)")
+    p.add_argument("--longgen-tokens", type=int, default=2048, help="long generation: tokens generated (default 2048)")
+    p.add_argument("--longgen-context", type=int, help="long generation: prompt length (default: the first --context)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds after which no task starts a new unit (a unit started is finished; rerun to resume)")
     p.add_argument("--greedy-prompts", type=int, default=4, help="greedy prompts per context length (default 4)")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy continuation length (default 32)")
     p.add_argument("--greedy-mode", choices=("teacher", "decode"), default="teacher",
@@ -134,7 +151,10 @@ def _build(args: argparse.Namespace):
     plan = Plan(methods=args.methods, tasks=args.tasks or ["kld"], contexts=args.context, windows=args.windows,
                 niah_lengths=args.niah_lengths, niah_depths=args.niah_depths, niah_variants=args.niah_variants,
                 niah_samples=args.niah_samples, greedy_prompts=args.greedy_prompts,
-                greedy_tokens=args.greedy_tokens, greedy_mode=args.greedy_mode, prefill_chunk=args.prefill_chunk)
+                greedy_tokens=args.greedy_tokens, greedy_mode=args.greedy_mode, prefill_chunk=args.prefill_chunk,
+                path=args.path, batch=args.batch, bucket=args.bucket, longgen_prompts=args.longgen_prompts,
+                longgen_tokens=args.longgen_tokens, longgen_context=args.longgen_context,
+                deadline=None if args.time_budget is None else time.monotonic() + args.time_budget)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")

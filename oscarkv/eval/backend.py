@@ -227,6 +227,58 @@ def greedy_generate(
     return out
 
 
+@torch.inference_mode()
+def greedy_generate_batch(
+    model: Any,
+    prompts: list[Tensor],
+    cache: Any,
+    max_new_tokens: int,
+    *,
+    chunk: int = 256,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """:func:`greedy_generate` for several prompts at once: the prompts (``[T_b]`` each) are left-padded to the
+    longest, prefilled together in chunks of ``chunk`` tokens (padding masked out, position ids counted from each
+    prompt's first real token, so every sequence sees exactly what it would alone) and decoded greedily for
+    ``max_new_tokens`` tokens each. The cache must accept left padding (``OscarCache`` and transformers' caches
+    do)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if len(prompts) == 1:
+        return [greedy_generate(model, prompts[0], cache, max_new_tokens, chunk=chunk)]
+    dev = next(model.parameters()).device
+    T = max(int(p.numel()) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - p.numel():] = p
+        mask[b, T - p.numel():] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    body, head = decoder(model), output_head(model)
+    kw = cache_kwarg(body)
+
+    def step(x: Tensor, upto: int) -> Tensor:
+        m = mask[:, :upto]
+        pos = (m.cumsum(-1) - 1).clamp_min(0)[:, upto - x.shape[1]:]
+        h = body(input_ids=x, attention_mask=m, position_ids=pos, **{kw: cache}, use_cache=True).last_hidden_state
+        return head(h[:, -1])
+
+    logits = None
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        logits = step(ids[:, s:e], e)
+    out: list[list[int]] = [[] for _ in prompts]
+    for t in range(max_new_tokens):
+        tok = logits.argmax(-1)
+        for b in range(len(prompts)):
+            out[b].append(int(tok[b]))
+        if t + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype, device=dev)], 1)
+        logits = step(tok[:, None], mask.shape[1])
+    return out
+
+
 def _next_token_logits(model: Any) -> Callable[[Tensor, Any], Tensor]:
     """``(ids [1, T], cache) -> logits [V]`` of the last position: the decoder body and :func:`output_head`
     where the model has them, else the model's own logits (stand-ins without a body)."""
@@ -250,4 +302,5 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate", "cache_kwarg"]
+__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate", "greedy_generate_batch",
+           "cache_kwarg"]

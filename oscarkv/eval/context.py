@@ -170,20 +170,22 @@ class EvalContext:
         return self.backend.describe(self.model, method)
 
     # ------------------------------------------------------------------------------------ reference
-    def reference_hidden(self, ids: Tensor, label: str) -> Tensor:
-        """Final hidden states ``[T, D]`` of the reference method on ``ids``, cached on disk under ``ref_dir``
-        (keyed by the model name, the reference and a hash of the tokens)."""
+    def reference_hidden(self, ids: Tensor, label: str, prompt_len: int = 0) -> Tensor:
+        """Final hidden states ``[T, D]`` of the reference method on ``ids`` (its first ``prompt_len`` tokens
+        prefilled in one pass, the rest token by token), cached on disk under ``ref_dir`` (keyed by the model
+        name, the reference, ``prompt_len`` and a hash of the tokens)."""
         digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
         path = None
         if self.ref_dir is not None:
             tag = self.numerics_tag().get("numerics")
             numerics = f"_{tag['device']}-{tag['dtype']}" if tag else ""  # CPU float32: the name as before
-            name = f"{safe_name(label)}_{safe_name(self.reference)}{numerics}_{digest}.pt"
+            prompt = f"_p{prompt_len}" if prompt_len else ""
+            name = f"{safe_name(label)}_{safe_name(self.reference)}{numerics}{prompt}_{digest}.pt"
             path = Path(self.ref_dir) / safe_name(self.model_name) / name
             if path.is_file():
                 h = torch.load(path, map_location="cpu", weights_only=True)
                 return h.to(next(self.model.parameters()).device)
-        with self.simulate(self.reference):
+        with self.simulate(self.reference, **({"prompt_len": prompt_len} if prompt_len else {})):
             h = final_hidden(self.model, ids)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

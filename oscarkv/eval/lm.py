@@ -56,6 +56,8 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
     protocol: dict[str, Any] = {"score_from": ctx.score_from, "windows": "consecutive"}
     if path == "cache":
         protocol.update(path="cache", prefill_chunk=prefill_chunk, **ctx.cache_protocol(force=True))
+    if lines:
+        protocol["lines"] = True
     runs = {m: ctx.run_id(TASK, m, length, **protocol) for m in methods}
     paths = {m: ctx.store.path(ctx.model_name, ctx.text.name, m, TASK, length) for m in methods}
     done = {m: ctx.store.done(paths[m], runs[m]) for m in methods}
@@ -78,7 +80,7 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
             if m == ctx.reference:  # the reference's own pass: KLD 0 by definition, no second forward
                 for i in idx:
                     hidden[i][m] = ctx.reference_hidden(wins[i], _ref_label(ctx, length, i))
-                extra: dict = {"path": "reference"}
+                extra: dict = {"path": "self"}  # the reference itself: no pass of its own
             elif path == "simulate":
                 with peak_memory(ctx.model) as mem, ctx.simulate(m):
                     hidden[idx[0]][m] = final_hidden(ctx.model, wins[idx[0]])

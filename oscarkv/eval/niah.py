@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import greedy_generate
+from .backend import greedy_generate_batch
 from .metrics import peak_memory
+from .paths import path_summary, quantized_layer_count, record_kernel_paths
 from .context import EvalContext
 from .texts import bos_id
 
@@ -184,38 +185,54 @@ class NiahGenerator:
 
 def run_niah(
     s: EvalContext, methods: list[str], lengths: Sequence[int], depths: Sequence[float], variants: Sequence[Variant],
-    samples: int, *, chunk: int = 256, essay_text: str | None = None,
+    samples: int, *, chunk: int = 256, haystack: tuple[str, str] | None = None, batch: int = 1,
+    deadline: float | None = None,
 ) -> list[dict]:
-    """Evaluate every method on every (variant, length, depth, seed) sample; resumable per unit."""
-    gen = NiahGenerator(s.tokenizer, s.text.text if essay_text is None else essay_text)
+    """Evaluate every method on every (variant, length, depth, seed) sample; resumable per sample. ``batch``
+    samples of one length go through one cache together (left-padded, :func:`greedy_generate_batch`);
+    ``deadline`` (``time.monotonic()``): start no new batch after it (a batch started is finished).
+    ``haystack``: ``(name, text)`` of the prose for ``essay`` haystacks (default: the evaluation text)."""
+    hay_name, hay_text = haystack or (s.text.name, s.text.text)
+    gen = NiahGenerator(s.tokenizer, hay_text)
+    hay = {} if hay_name == "essays" else {"haystack": hay_name}  # the essays: fingerprints as before
+    pad = getattr(s.tokenizer, "pad_token_id", None) or getattr(s.tokenizer, "eos_token_id", None) or 0
     new = []
     for length in lengths:
         units = [(v, d, k) for v in variants for d in depths for k in range(samples)]
-        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants), **s.cache_protocol()}
+        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants), **s.cache_protocol(), **hay}
         for m in methods:
-            run = s.run_id(TASK, m, length, chunk=chunk, **s.cache_protocol())
+            run = s.run_id(TASK, m, length, chunk=chunk, **s.cache_protocol(), **hay)
             path = s.store.path(s.model_name, s.text.name, m, TASK, length)
             done = s.store.done(path, run)
             todo = [u for u in units if _key(*u) not in done]
             if not todo:
                 continue
             with s.cache(m) as new_cache:
-                for v, d, k in tqdm(todo, desc=f"{s.model_name} niah@{length} {m}", disable=not s.progress):
-                    smp = gen.sample(v, length, d, k)
-                    n_ans = len(s.tokenizer(" " + smp.answer, add_special_tokens=False)["input_ids"])
+                for j in tqdm(range(0, len(todo), batch), desc=f"{s.model_name} niah@{length} {m}",
+                              disable=not s.progress):
+                    if deadline is not None and time.monotonic() > deadline:
+                        return new
+                    group = todo[j: j + batch]
+                    smps = [gen.sample(v, length, d, k) for v, d, k in group]
+                    n_ans = max(len(s.tokenizer(" " + x.answer, add_special_tokens=False)["input_ids"]) for x in smps)
                     cache = new_cache()
                     t0 = time.perf_counter()
-                    with peak_memory(s.model) as mem:
-                        out = greedy_generate(s.model, smp.input_ids, cache, n_ans + 4, chunk=chunk)
+                    with peak_memory(s.model) as mem, record_kernel_paths() as counts:
+                        outs = greedy_generate_batch(s.model, [x.input_ids for x in smps], cache, n_ans + 4,
+                                                     chunk=chunk, pad_id=int(pad))
                     sec = time.perf_counter() - t0
-                    text = s.tokenizer.decode(out, skip_special_tokens=True)
-                    rec = s.base_record(TASK, m, length, run, _key(v, d, k))
-                    rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
-                               needle_token=smp.needle_token, answer=smp.answer, output=text,
-                               correct=int(smp.correct(text)), protocol=protocol, seconds=round(sec, 2), **mem,
-                               **physical_bits(cache))
-                    s.store.append(path, rec)
-                    new.append(rec)
+                    steps = -(-max(x.input_ids.numel() for x in smps) // chunk) + n_ans + 3
+                    route = path_summary(counts, steps * quantized_layer_count(cache))
+                    bits = physical_bits(cache)
+                    for (v, d, k), smp, out in zip(group, smps, outs):
+                        text = s.tokenizer.decode(out, skip_special_tokens=True)
+                        rec = s.base_record(TASK, m, length, run, _key(v, d, k))
+                        rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
+                                   needle_token=smp.needle_token, answer=smp.answer, output=text,
+                                   correct=int(smp.correct(text)), protocol=protocol, seconds=round(sec / len(group), 2),
+                                   batch=len(group), path=route["path"], paths=route, **mem, **bits)
+                        s.store.append(path, rec)
+                        new.append(rec)
     return new
 
 

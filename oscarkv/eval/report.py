@@ -34,7 +34,8 @@ def _summarise(task: str, rs: list[dict]) -> dict:
         out.update(kld=sum(r["kld"] * r["n"] for r in rs) / max(n, 1), top1=sum(r["top1"] * r["n"] for r in rs) / max(n, 1),
                    ppl=perplexity(sum(r["nll"] * r["n"] for r in rs), n),
                    ppl_ref=perplexity(sum(r["nll_ref"] * r["n"] for r in rs), n), tokens=n,
-                   logit_rel_err=_mean(rs, "logit_rel_err"), kld_max=max(r["kld_max"] for r in rs))
+                   logit_rel_err=_mean(rs, "logit_rel_err"), kld_max=max(r["kld_max"] for r in rs),
+                   paths=sorted({r.get("path", "simulate") for r in rs}))
     elif task == "niah":
         out["acc"] = _mean(rs, "correct")
         cells: dict[tuple[float, str], list[int]] = defaultdict(list)
@@ -44,6 +45,10 @@ def _summarise(task: str, rs: list[dict]) -> dict:
                            / sum(len(vs) for (dd, _), vs in cells.items() if dd == d) for d in sorted({k[0] for k in cells})}
         out["by_variant"] = {var: _mean([r for r in rs if r["variant"] == var], "correct")
                              for var in sorted({r["variant"] for r in rs})}
+        out["by_cell"] = {var: {d: _mean([r for r in rs if r["variant"] == var and float(r["depth"]) == d], "correct")
+                                for d in sorted({float(r["depth"]) for r in rs if r["variant"] == var})}
+                          for var in out["by_variant"]}
+        out["paths"] = sorted({r.get("path", "-") for r in rs})
         out["bits_physical"] = _mean(rs, "bits_physical")
         out["bits_quantized_tier"] = _mean(rs, "bits_quantized_tier")
     elif task == "greedy":
@@ -94,15 +99,16 @@ def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> s
     """KLD, top-1 and PPL per context; each row's reference PPL (in parentheses) and window count are its own,
     since methods may have been run on different numbers of windows."""
     ctxs = sorted({g[4] for g in part})
-    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c} (ref) | win@{c}" for c in ctxs) + " |"
-    rows = [head, "|" + "---|" * (2 + 4 * len(ctxs))]
+    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c} (ref) | win@{c}" for c in ctxs) + " | path |"
+    rows = [head, "|" + "---|" * (3 + 4 * len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
         for c in ctxs:
             v = next((v for g, v in part.items() if g[3] == m and g[4] == c), None)
             cells += ([_fmt(v["kld"], 4), _fmt(v["top1"], 3), f"{_fmt(v['ppl'], 2)} ({_fmt(v['ppl_ref'], 2)})",
                        str(v["units"])] if v else ["-"] * 4)
-        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + " |")
+        used = sorted({p for g, v in part.items() if g[3] == m for p in v.get("paths", [])})
+        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + f" | {', '.join(used) or '-'} |")
     return "\n".join(rows) + ("\n\n(KLD: mean KL(reference || method) in nats over scored positions; top-1: argmax "
                               "agreement; PPL over the same positions, the reference's on the same windows in "
                               "parentheses; win: windows evaluated)\n")
@@ -111,7 +117,7 @@ def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> s
 def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
     ctxs = sorted({g[4] for g in part})
     rows = ["| method | bits/elem nominal | " + " | ".join(f"NIAH@{c}" for c in ctxs)
-            + f" | physical bits@{ctxs[-1]} (quantized tier) |", "|" + "---|" * (3 + len(ctxs))]
+            + f" | physical bits@{ctxs[-1]} (quantized tier) | path |", "|" + "---|" * (4 + len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
         for c in ctxs:
@@ -119,7 +125,8 @@ def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) ->
             cells.append(f"{_fmt(v['acc'], 2)} ({v['units']})" if v else "-")
         last = next((v for g, v in part.items() if g[3] == m and g[4] == ctxs[-1]), None)
         phys = f"{_fmt(last['bits_physical'], 2)} ({_fmt(last['bits_quantized_tier'], 2)})" if last else "-"
-        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + f" | {phys} |")
+        used = sorted({p for g, v in part.items() if g[3] == m for p in v.get("paths", [])})
+        rows.append(f"| {m} | {_bits(info, m)} | " + " | ".join(cells) + f" | {phys} | {', '.join(used) or '-'} |")
     text = "\n".join(rows) + ("\n\n(accuracy over samples, sample count in parentheses; physical bits = bytes held "
                               "by the cache's tensors after the prompt and answer, per K/V element)\n")
     variants = sorted({var for v in part.values() for var in v.get("by_variant", {})})
@@ -196,20 +203,32 @@ def plots(agg: dict[Group, dict], folder: str | Path, order: list[str] | None = 
 
 
 def _niah_heatmaps(plt: Any, niah: dict, path: Path, title: str, order: list[str] | None) -> Path:
+    """One row of heat maps per NIAH variant, one column per method: accuracy by needle depth x context length
+    (all variants pooled when there is one)."""
     methods = _order((g[3] for g in niah), order)
     ctxs = sorted({g[4] for g in niah})
     depths = sorted({d for v in niah.values() for d in v["by_depth"]})
-    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods) + 1, 2.8), squeeze=False)
-    for ax, m in zip(axes[0], methods):
-        grid = [[niah.get((*next(iter(niah))[:3], m, c), {}).get("by_depth", {}).get(d, float("nan")) for c in ctxs]
-                for d in depths]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs], fontsize=6)
-        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
-        ax.set_title(m, fontsize=8)
-    axes[0][0].set_ylabel("needle depth")
+    variants = sorted({var for v in niah.values() for var in v.get("by_cell", {})}) or ["all"]
+    fig, axes = plt.subplots(len(variants), len(methods), figsize=(2.2 * len(methods) + 1, 2.4 * len(variants) + 0.4),
+                             squeeze=False)
+    first = next(iter(niah))[:3]
+    im = None
+    for row, var in enumerate(variants):
+        for ax, m in zip(axes[row], methods):
+            def acc(c: int, d: float) -> float:
+                v = niah.get((*first, m, c), {})
+                if var == "all":
+                    return v.get("by_depth", {}).get(d, float("nan"))
+                return v.get("by_cell", {}).get(var, {}).get(d, float("nan"))
+
+            grid = [[acc(c, d) for c in ctxs] for d in depths]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs], fontsize=6)
+            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
+            ax.set_title(m if var == "all" else f"{m}\n{var}", fontsize=7)
+        axes[row][0].set_ylabel("needle depth")
     fig.suptitle(title + " - NIAH accuracy (length x depth)", fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
     return _save(fig, path)
 
 
@@ -222,9 +241,10 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def write_report(out: str | Path, order: list[str] | None = None, title: str = "oscarkv eval") -> Path:
-    """Aggregate everything under ``out`` into ``out/summary.md``, ``out/summary.json`` and PNG plots."""
+    """Aggregate everything under ``out`` into ``out/summary.md``, ``out/summary.json`` and PNG plots (tables
+    and plots of the position curves, next-line accuracy and long generation from :mod:`oscarkv.eval.curves`)."""
     out = Path(out)
-    agg = aggregate(ResultStore(out).records())
+    agg = aggregate(r for r in ResultStore(out).records() if r.get("task") in ("lm", "niah", "greedy", "fidelity"))
     info, numerics = {}, []
     for p in sorted(out.glob("*/methods.json")):
         meta = json.loads(p.read_text())
@@ -233,12 +253,22 @@ def write_report(out: str | Path, order: list[str] | None = None, title: str = "
             n = meta["numerics"]
             numerics.append(f"* {meta.get('model', p.parent.name)} (latest run): "
                             + ", ".join(f"{k} {v}" for k, v in n.items()))
-    pngs = plots(agg, out / "plots", order)
+    from .curves import curve_plots, curve_tables, curves, line_tables, longgen_summary, longgen_tables, overall_lines
+
+    records = list(ResultStore(out).records())
+    cv, lines, lg = curves(records), overall_lines(records), longgen_summary(records)
+    pngs = plots(agg, out / "plots", order) + curve_plots(cv, lg, out / "plots", order or [])
     md = f"# {title}\n\n" + ("\n".join(numerics) + "\n\n" if numerics else "") + markdown_tables(agg, info, order)
+    for part in (curve_tables(cv, order or []), line_tables(lines, cv, order or []), longgen_tables(lg, order or [])):
+        if part:
+            md += "\n" + part
     md += "\n" + "\n".join(f"![{p.stem}](plots/{p.name})" for p in pngs) + "\n"
     (out / "summary.md").write_text(md)
-    (out / "summary.json").write_text(json.dumps({"|".join(map(str, g)): v for g, v in agg.items()}, indent=1,
-                                                 default=str) + "\n")
+    summary = {"|".join(map(str, g)): v for g, v in agg.items()}
+    summary.update({"curve|" + "|".join(map(str, k)): v for k, v in cv.items()})
+    summary.update({"lines|" + "|".join(map(str, k)): v for k, v in lines.items()})
+    summary.update({"longgen|" + "|".join(map(str, k)): v for k, v in lg.items()})
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return out / "summary.md"
 
 

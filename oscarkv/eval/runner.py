@@ -10,18 +10,26 @@ from typing import Sequence
 from .fidelity import run_fidelity
 from .greedy import run_greedy
 from .lm import run_lm
+from .longgen import run_longgen
 from .niah import Variant, run_niah
 from .report import write_report
 from .context import EvalContext
 
-TASKS = ("kld", "ppl", "niah", "greedy", "fidelity")
-MAIN_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar")
+TASKS = ("kld", "ppl", "code", "niah", "greedy", "fidelity", "longgen")
+MAIN_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar", "oscar-auto")
+LM_PATHS = ("auto", "simulate", "cache")
 
 
 @dataclass
 class Plan:
-    """What to run. ``windows``: teacher-forced windows per context length (kld/ppl/fidelity);
-    ``niah_*``: NIAH grid (lengths default to ``contexts``); ``greedy_*``: prompts and continuation length."""
+    """What to run. ``windows``: teacher-forced windows per context length (kld/ppl/code/fidelity);
+    ``niah_*``: NIAH grid (lengths default to ``contexts``); ``greedy_*``: prompts and continuation length;
+    ``longgen_*``: prompts, their length (default: the first context) and generated tokens.
+    ``path``: how the teacher-forced tasks (kld, ppl, code, longgen) run a method: ``simulate``, ``cache``
+    (chunked prefill through the real cache: the kernels on CUDA) or ``auto`` (``cache`` on CUDA, else
+    ``simulate``). ``prefill_chunk``: tokens per chunk of every chunked prefill; ``batch``: windows, NIAH
+    samples or prompts per cache batch; ``bucket``: positions per bucket of the curves. ``deadline``: a
+    ``time.monotonic()`` value after which no task starts a new unit."""
 
     methods: list[str]
     tasks: list[str]
@@ -36,6 +44,13 @@ class Plan:
     greedy_mode: str = "teacher"
     prefill_chunk: int = 256
     fidelity_positions: int = 256
+    path: str = "auto"
+    batch: int = 1
+    bucket: int = 1024
+    longgen_prompts: int = 4
+    longgen_tokens: int = 2048
+    longgen_context: int | None = None
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.tasks) - set(TASKS))
@@ -47,15 +62,27 @@ class Plan:
             raise ValueError(f"context lengths must be >= 2, got {self.contexts}")
         for v in self.niah_variants:
             Variant.parse(v)
+        if self.path not in LM_PATHS:
+            raise ValueError(f"path must be one of {list(LM_PATHS)}, got {self.path!r}")
+        for name in ("prefill_chunk", "batch", "bucket", "longgen_prompts", "longgen_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def lm_path(self, device: str) -> str:
+        """The teacher-forced path on ``device`` ("cpu", "cuda")."""
+        return ("cache" if device == "cuda" else "simulate") if self.path == "auto" else self.path
 
 
 def evaluate(s: EvalContext, plan: Plan, *, report: bool = True) -> dict:
     """Run ``plan`` in the order cheap-to-expensive; every finished unit is in the store as soon as it ends."""
     _write_methods_info(s, plan.methods)
     counts: dict[str, int] = {}
-    if {"kld", "ppl"} & set(plan.tasks):
+    path = plan.lm_path(s.numerics.get("device", "cpu"))
+    if {"kld", "ppl", "code"} & set(plan.tasks):
         for c in plan.contexts:
-            counts[f"lm@{c}"] = len(run_lm(s, plan.methods, c, plan.windows))
+            counts[f"lm@{c}"] = len(run_lm(s, plan.methods, c, plan.windows, path=path, bucket=plan.bucket,
+                                           prefill_chunk=plan.prefill_chunk, batch=plan.batch,
+                                           lines="code" in plan.tasks, deadline=plan.deadline))
     if "greedy" in plan.tasks:
         for c in plan.contexts:
             counts[f"greedy@{c}"] = len(run_greedy(s, plan.methods, c, plan.greedy_prompts,
@@ -67,20 +94,34 @@ def evaluate(s: EvalContext, plan: Plan, *, report: bool = True) -> dict:
     if "niah" in plan.tasks:
         variants = [Variant.parse(v) for v in plan.niah_variants]
         counts["niah"] = len(run_niah(s, plan.methods, plan.niah_lengths or plan.contexts, plan.niah_depths, variants,
-                                      plan.niah_samples, chunk=plan.prefill_chunk, essay_text=_essays(s)))
+                                      plan.niah_samples, chunk=plan.prefill_chunk, haystack=_essays(s),
+                                      batch=plan.batch, deadline=plan.deadline))
+    if "longgen" in plan.tasks:
+        length = plan.longgen_context or plan.contexts[0]
+        counts[f"longgen@{length}"] = len(run_longgen(s, plan.methods, length, plan.longgen_prompts,
+                                                      new_tokens=plan.longgen_tokens, bucket=max(plan.bucket // 4, 1),
+                                                      path=path, prefill_chunk=plan.prefill_chunk,
+                                                      batch=plan.batch, deadline=plan.deadline))
     out = {"new_units": counts}
     if report:
         out["report"] = str(write_report(s.store.root, order=list(MAIN_METHODS)))
     return out
 
 
-def _essays(s: EvalContext) -> str:
-    """Held-out essays for the NIAH haystack (the evaluation text itself when it already is the essays or a file)."""
+def _essays(s: EvalContext) -> tuple[str, str]:
+    """``(name, text)`` of the held-out prose for the NIAH ``essay`` haystack: the evaluation text itself when it
+    is the essays or a file, else the essays' held-out split, else (essays not installed) the evaluation text,
+    named in every record's protocol."""
     if s.text.name == "essays" or s.text.provenance.get("kind") == "file":
-        return s.text.text
+        return s.text.name, s.text.text
+    from ..data import DataNotAvailableError
     from .texts import load_eval_text
 
-    return load_eval_text("essays").text
+    try:
+        return "essays", load_eval_text("essays").text
+    except DataNotAvailableError:
+        print(f"NIAH: the essays are not installed; the essay haystack is the evaluation text ({s.text.name})")
+        return s.text.name, s.text.text
 
 
 def _write_methods_info(s: EvalContext, methods: Sequence[str]) -> None:

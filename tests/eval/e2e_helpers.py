@@ -63,6 +63,8 @@ def summary(out: Path) -> dict[tuple[str, str, int], dict]:
     raw = json.loads((out / "summary.json").read_text())
     res = {}
     for key, v in raw.items():
+        if key.split("|")[0] in ("curve", "lines", "longgen"):
+            continue
         _model, _data, task, method, ctx = key.split("|")
         res[(task, method, int(ctx))] = v
     return res

@@ -82,7 +82,7 @@ def test_run_lm_cache_path_buckets_and_physical_bits(make_ctx):
         assert sum(bk["top1"]) / r["n"] == pytest.approx(r["top1"])
         assert len(r["bits_physical_at"]) == len(bk["n"]) == 3
         if r["method"] == "bf16":
-            assert r["kld"] == 0.0 and r["bits_physical_at"] == [16.0, 16.0, 16.0] and r["path"] == "reference"
+            assert r["kld"] == 0.0 and r["bits_physical_at"] == [16.0, 16.0, 16.0] and r["path"] == "self"
         else:
             assert r["kld"] > 0.0 and r["path"] == "torch"
             assert r["bits_physical_at"][0] > r["bits_physical_at"][-1]  # the 16-bit tiers weigh less later
