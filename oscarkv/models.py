@@ -3,6 +3,9 @@
 ``load("qwen2.5-coder-1.5b")`` finds the GGUF parts inside their installed packages (without importing the
 packages), joins them in order, checks their sha256, dequantizes them with transformers and caches a float
 safetensors copy (state dict + config + tokenizer) under :func:`cache_dir`, so later loads take about a second.
+A ``.gguf`` file given by path is converted once the same way and cached under a name made of its file name and
+a hash of its path, size and modification time (a changed file is converted again). Converting a GGUF takes
+minutes on a busy CPU (transformers parses it in Python); every conversion says so on stderr before it starts.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,14 +146,54 @@ def _joined_gguf(src: ModelSource, parts: list[Path], workdir: Path) -> Path:
     return out
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Load a GGUF file with transformers (dequantized to ``dtype``); needs ``gguf`` and ``accelerate``."""
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> tuple[Any, Any]:
+    """Load a GGUF file with transformers (dequantized to ``dtype``); needs ``gguf`` and ``accelerate``. With
+    ``progress``, each stage is announced on stderr with its time (the tokenizer and metadata are parsed before
+    transformers shows a progress bar)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    t0 = time.time()
+    say(f"converting {path.name} ({path.stat().st_size / 2**20:.0f} MiB): reading the tokenizer ...")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    t1 = time.time()
+    say(f"  tokenizer read in {t1 - t0:.0f} s; reading and dequantizing the weights ...")
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    say(f"  weights read in {time.time() - t1:.0f} s")
     model.eval()
+    return model, tok
+
+
+def gguf_cache_path(path: str | Path) -> Path:
+    """Cache folder of a ``.gguf`` file given by path: its stem plus a hash of its resolved path, size and
+    modification time."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{p.stem}-{key}"
+
+
+def load_gguf_cached(path: str | Path, dtype: torch.dtype = torch.float32, use_cache: bool = True) -> tuple[Any, Any]:
+    """A ``.gguf`` file by path, converted once into the float cache (:func:`gguf_cache_path`) and read from it
+    afterwards."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    folder = gguf_cache_path(path)
+    if use_cache and (folder / "oscarkv_cache.json").is_file():
+        info = json.loads((folder / "oscarkv_cache.json").read_text())
+        if info.get("cache_format") == CACHE_FORMAT:
+            return load_hf_dir(folder, dtype)
+    if use_cache:
+        print(f"{path.name} is converted once into {folder} (later loads take seconds)", file=sys.stderr)
+    model, tok = load_gguf(path, dtype=torch.float32)
+    if use_cache:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        save_cache(model, tok, folder, {"name": path.stem, "gguf_path": str(path.resolve()),
+                                        "gguf_size": path.stat().st_size})
+    if dtype != torch.float32:
+        model = model.to(dtype)
     return model, tok
 
 
@@ -202,6 +247,8 @@ def load_named(name: str, dtype: torch.dtype = torch.float32, use_cache: bool = 
             model.config.name_or_path = key
             return model, tok
     parts = gguf_files(key)
+    if use_cache:
+        print(f"{key}: converting its GGUF once into {folder} (later loads take seconds)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="oscarkv-gguf-") as work:
         model, tok = load_gguf(_joined_gguf(src, parts, Path(work)), dtype=torch.float32)
     if use_cache:
@@ -220,9 +267,7 @@ def load(name_or_path: str | Path, dtype: torch.dtype = torch.float32, use_cache
     text = str(name_or_path)
     path = Path(text).expanduser()
     if text.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return load_gguf(path, dtype)
+        return load_gguf_cached(path, dtype, use_cache)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a transformers model folder (no config.json)")

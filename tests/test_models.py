@@ -94,3 +94,25 @@ def test_smollm2_cache_gives_identical_logits_to_gguf(monkeypatch, tmp_path):
         a, b = gguf_model(ids).logits, cached_model(ids).logits
     assert torch.equal(a, b)
     assert cached_model.config.model_type == "llama" and cached_model.dtype == torch.float32
+
+
+def test_gguf_by_path_is_converted_once_and_again_when_the_file_changes(monkeypatch, tmp_path):
+    monkeypatch.setenv("OSCARKV_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-stand-in")
+    calls = []
+
+    def convert(path, dtype=torch.float32, progress=True):
+        calls.append(Path(path))
+        return tiny_model("llama"), word_tokenizer()
+
+    monkeypatch.setattr(models, "load_gguf", convert)
+    first, _ = models.load(gguf)
+    again, tok = models.load(gguf)
+    assert calls == [gguf] and models.gguf_cache_path(gguf).parent == tmp_path / "cache" / "models"
+    ids = torch.tensor([[1, 5, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, first(ids).logits, rtol=0, atol=0)
+    gguf.write_bytes(b"GGUF-stand-in, another version")
+    models.load(gguf)
+    assert len(calls) == 2
