@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-calibration", action="append", default=[], metavar="LABEL=DIR",
                    help="another artifact, used by methods written METHOD@LABEL (e.g. oscar@head); repeatable")
     p.add_argument("--methods", type=_names, default=_names(DEFAULT_METHODS),
-                   help=f"comma-separated methods (default {DEFAULT_METHODS}); 'fp32' = the unmodified model")
+                   help=f"comma-separated methods (default {DEFAULT_METHODS}); pseudo-methods: 'fp32' = the unmodified "
+                   "float32 model, 'native' = the unmodified model with its own cache in its dtype")
     p.add_argument("--tasks", type=_names, default=["kld", "ppl"],
                    help="kld,ppl,code,niah,greedy,fidelity,longgen (default kld,ppl; code = kld/ppl plus next-line "
                    "exact match of every line, for code text)")
@@ -53,7 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_ints, default=[1024, 2048], help="context lengths (default 1024,2048)")
     p.add_argument("--windows", type=int, default=4, help="windows per context length for kld/ppl/fidelity (default 4)")
     p.add_argument("--score-from", type=int, help="first scored position (default: sink + window of the calibration)")
-    p.add_argument("--reference", default="bf16", help="method the others are compared with: bf16 (default) or fp32")
+    p.add_argument("--reference", default="bf16",
+                   help="method the others are compared with: bf16 (default: K/V in the 16-bit cache tiers, simulated), "
+                   "native (the model and its own cache; on a bfloat16 model the same K/V with the model's attention "
+                   "kernels) or fp32")
     p.add_argument("--niah-lengths", type=_ints, help="NIAH context lengths (default: --context)")
     p.add_argument("--niah-depths", type=_floats, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
     p.add_argument("--niah-variants", type=_names, default=["single-number-essay", "multikey-word-noise"],

@@ -205,8 +205,9 @@ def greedy_generate(
     chunk: int = 256,
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
-    """Prefill ``prompt`` ``[T]`` into ``cache`` in chunks of ``chunk`` tokens (each chunk attends to the
-    earlier ones as stored), then decode greedily one token at a time through the cache. The next token is the
+    """Prefill ``prompt`` ``[T]`` into ``cache`` in chunks of ``chunk`` tokens counted from the prompt's end
+    (the first chunk holds the remainder; each chunk attends to the earlier ones as stored), then decode greedily
+    one token at a time through the cache. The next token is the
     argmax of :func:`output_head` (float32) on the body's last hidden state, the same head the teacher-forced
     metrics use, so ``greedy`` in teacher and decode mode and NIAH pick tokens alike on any model dtype."""
     if chunk < 1:
@@ -215,8 +216,8 @@ def greedy_generate(
     ids = prompt.view(1, -1).to(dev)
     step = _next_token_logits(model)
     logits = None
-    for s in range(0, ids.shape[1], chunk):
-        logits = step(ids[:, s : s + chunk], cache)
+    for s, e in chunk_bounds(ids.shape[1], chunk):
+        logits = step(ids[:, s:e], cache)
     out: list[int] = []
     for _ in range(max_new_tokens):
         tok = int(logits.argmax())
@@ -264,8 +265,7 @@ def greedy_generate_batch(
         return head(h[:, -1])
 
     logits = None
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
+    for s, e in chunk_bounds(T, chunk):
         logits = step(ids[:, s:e], e)
     out: list[list[int]] = [[] for _ in prompts]
     for t in range(max_new_tokens):
@@ -277,6 +277,12 @@ def greedy_generate_batch(
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype, device=dev)], 1)
         logits = step(tok[:, None], mask.shape[1])
     return out
+
+
+def chunk_bounds(T: int, chunk: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of a prefill of ``T`` tokens in chunks of ``chunk`` counted from the end."""
+    first = T % chunk or min(T, chunk)
+    return [(0, first)] + [(s, s + chunk) for s in range(first, T, chunk)] if T else []
 
 
 def _next_token_logits(model: Any) -> Callable[[Tensor, Any], Tensor]:

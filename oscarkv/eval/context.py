@@ -18,6 +18,10 @@ from .texts import EvalText, bos_id, tokenize, windows
 
 
 FP32 = "fp32"
+# the unmodified model with transformers' own cache, in the model's dtype (on a bfloat16 model: BF16 as users
+# run it, with the model's attention kernels; on a float32 model the same as fp32)
+NATIVE = "native"
+PSEUDO = (FP32, NATIVE)
 
 
 @dataclass
@@ -107,7 +111,7 @@ class EvalContext:
 
     def method_calibration(self, method: str) -> str:
         """Tag of the calibration ``method`` runs with ("-" for the unquantized reference)."""
-        if method in ("bf16", FP32):
+        if method in ("bf16", *PSEUDO):
             return "-"
         tag = getattr(self.backend, "calibration_tag", None)
         return tag(method) if callable(tag) else self.calib_tag
@@ -138,22 +142,23 @@ class EvalContext:
     def physical_bits(self, method: str, tokens: list[int]) -> list[float] | None:
         """Bits per stored K/V element of ``method``'s cache holding each of ``tokens`` tokens (16-bit tiers
         counted; :func:`oscarkv.eval.paths.physical_bits`), or None where the backend cannot tell."""
-        if method == FP32:
-            return [32.0] * len(tokens)
+        if method in PSEUDO:
+            return [8.0 * self._element_size()] * len(tokens)
         fn = getattr(self.backend, "physical_bits", None)
         return fn(self.model, method, tokens) if callable(fn) else None
 
     # ------------------------------------------------------------------------------------ methods
     def simulate(self, method: str, **kwargs: Any) -> Any:
-        """Context for one teacher-forced pass under ``method`` (``fp32``: the unmodified model)."""
-        if method == FP32:
+        """Context for one teacher-forced pass under ``method`` (``fp32``, ``native``: the unmodified model)."""
+        if method in PSEUDO:
             return contextlib.nullcontext()
         return self.backend.simulate(self.model, method, **kwargs)
 
     @contextlib.contextmanager
     def cache(self, method: str) -> Iterator[Callable[[], Any]]:
-        """Context yielding a factory of fresh caches for ``method`` (``fp32``: transformers' DynamicCache)."""
-        if method == FP32:
+        """Context yielding a factory of fresh caches for ``method`` (``fp32``, ``native``: transformers'
+        DynamicCache in the model's dtype)."""
+        if method in PSEUDO:
             from transformers import DynamicCache
 
             yield lambda: DynamicCache(config=self.model.config)
@@ -167,7 +172,14 @@ class EvalContext:
                 raise ValueError(f"the 'fp32' pseudo-method is the unmodified model in float32, but the model is "
                                  f"{self.numerics['dtype']}: load it with --dtype float32")
             return {"method": FP32, "bits": 32.0, "description": "unmodified model, K/V in float32"}
+        if method == NATIVE:
+            return {"method": NATIVE, "bits": 8.0 * self._element_size(),
+                    "description": f"unmodified model and its own cache in {self.numerics.get('dtype', '-')}"}
         return self.backend.describe(self.model, method)
+
+    def _element_size(self) -> int:
+        p = next(iter(self.model.parameters()), None) if hasattr(self.model, "parameters") else None
+        return p.element_size() if p is not None else 4
 
     # ------------------------------------------------------------------------------------ reference
     def reference_hidden(self, ids: Tensor, label: str, prompt_len: int = 0) -> Tensor:
@@ -195,4 +207,4 @@ class EvalContext:
         return h
 
 
-__all__ = ["EvalContext", "calibration_tag", "FP32"]
+__all__ = ["EvalContext", "calibration_tag", "FP32", "NATIVE"]

@@ -199,9 +199,10 @@ def run_niah(
     new = []
     for length in lengths:
         units = [(v, d, k) for v in variants for d in depths for k in range(samples)]
-        protocol = {"chunk": chunk, "variants": sorted(v.name for v in variants), **s.cache_protocol(), **hay}
+        protocol = {"chunk": chunk, "chunks_from": "end", "variants": sorted(v.name for v in variants),
+                    **s.cache_protocol(), **hay}
         for m in methods:
-            run = s.run_id(TASK, m, length, chunk=chunk, **s.cache_protocol(), **hay)
+            run = s.run_id(TASK, m, length, chunk=chunk, chunks_from="end", **s.cache_protocol(), **hay)
             path = s.store.path(s.model_name, s.text.name, m, TASK, length)
             done = s.store.done(path, run)
             todo = [u for u in units if _key(*u) not in done]
