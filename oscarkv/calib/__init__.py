@@ -192,12 +192,22 @@ def calibrate(
         from .select import select_formats
 
         calib.layer_formats, record = select_formats([acc.held_out for acc in recorder.layers], calib,
-                                                     spec.bit_budget, progress)
+                                                     spec.bit_budget, progress,
+                                                     quantized_layers=quantized_layers(model))
         calib.provenance["format_selection"] = record
         calib.validate_shapes()
     for acc in recorder.layers:
         acc.held_out = []
     return (calib, stats) if return_stats else calib
+
+
+def quantized_layers(model: Any) -> list[bool]:
+    """Per layer: whether the cache quantizes it (its full-attention layers; sliding-window layers keep a bounded
+    16-bit cache, see :mod:`oscarkv.hf.prepare`)."""
+    from ..hf.prepare import full_attention_layers
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return full_attention_layers(cfg)
 
 
 def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, *, budget: float | str | None = None,
@@ -226,7 +236,8 @@ def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, 
         _forward(model, hold_chunks, None)
     budget = calib.spec.bit_budget if budget is None else budget
     budget = "kivi" if budget is None else budget
-    formats, record = select_formats([acc.held_out for acc in recorder.layers], calib, budget, progress)
+    formats, record = select_formats([acc.held_out for acc in recorder.layers], calib, budget, progress,
+                                     quantized_layers=quantized_layers(model))
     names = data_prov.get("chunks")
     record["held_out"] = {"tokens": sum(int(c.numel()) for c in hold_chunks),
                           "chunks": names[-len(hold_chunks):] if isinstance(names, list) else len(hold_chunks)}
@@ -262,4 +273,4 @@ def _provenance(data_prov: dict, n_stat: int, n_hold: int, seed: int, seq_len: i
     }
 
 
-__all__ = ["calibrate", "select_from", "check_model", "plan_chunks", "CalibrationStats"]
+__all__ = ["calibrate", "select_from", "quantized_layers", "check_model", "plan_chunks", "CalibrationStats"]

@@ -219,17 +219,27 @@ def allocate(scores: Sequence[Sequence[Scored]], budget: float) -> list[int]:
 
 def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget: float | str | None = None,
                    progress: bool = False, key_candidates: Sequence[TensorFormat] | None = None,
-                   value_candidates: Sequence[TensorFormat] | None = None) -> tuple[list[dict], dict]:
+                   value_candidates: Sequence[TensorFormat] | None = None,
+                   quantized_layers: Sequence[bool] | None = None) -> tuple[list[dict], dict]:
     """``(layer_formats, record)``: per layer the selected key and value formats with their predicted held-out
     errors, under the mean ``budget`` bits per element (default KIVI-2's). ``held[i]`` are layer ``i``'s held-out
     chunks; the rotations, means and spec come from ``calib``. ``record`` holds every candidate's error.
-    Candidates default to :data:`KEY_CANDIDATES` / :data:`VALUE_CANDIDATES`."""
+    Candidates default to :data:`KEY_CANDIDATES` / :data:`VALUE_CANDIDATES`.
+
+    ``quantized_layers[i]`` False marks a layer the cache keeps in 16-bit (a sliding-window layer): it is not
+    scored, the budget is spent over the quantized layers only (their mean is at most ``budget``), and its entry
+    carries ``"quantized": false`` with the base format (token rows, the spec's bits, the calibrated rotation)."""
     from tqdm.auto import tqdm
 
     spec, d = calib.spec, calib.model.head_dim
     bits = resolve_budget(budget, d)
+    L = calib.model.num_layers
+    quantized = [True] * L if quantized_layers is None else [bool(q) for q in quantized_layers]
+    if len(quantized) != L or not any(quantized):
+        raise ValueError(f"quantized_layers must give {L} flags with at least one True, got {quantized_layers!r}")
     scores: list[list[Scored]] = []
-    for i in tqdm(range(calib.model.num_layers), desc="scoring formats", unit="layer", disable=not progress):
+    layers = [i for i in range(L) if quantized[i]]
+    for i in tqdm(layers, desc="scoring formats", unit="layer", disable=not progress):
         t = calib.layer(i)
         layer = {n: t[n].float().contiguous() for n in ("r_k", "r_v", "mu_k", "mu_v")}
         if not spec.centering:
@@ -238,18 +248,25 @@ def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget
         scores.append(score_layer(held[i], layer, spec, "v", value_candidates))
     picks = allocate(scores, bits)
     formats = []
-    for i in range(calib.model.num_layers):
-        k, v = scores[2 * i][picks[2 * i]], scores[2 * i + 1][picks[2 * i + 1]]
+    base = TensorFormat("token", spec.bits, "calibrated").to_dict()
+    for i in range(L):
+        if not quantized[i]:
+            formats.append({"k": base, "v": base, "quantized": False})
+            continue
+        j = layers.index(i)
+        k, v = scores[2 * j][picks[2 * j]], scores[2 * j + 1][picks[2 * j + 1]]
         formats.append({"k": k.format.to_dict(), "v": v.format.to_dict(), "k_error": round(k.error, 6),
                         "v_error": round(v.error, 6), "k_bits_per_element": k.bits,
                         "v_bits_per_element": v.bits})
     chosen = [scores[t][p] for t, p in enumerate(picks)]
     record = {
         "budget": bits, "bits_per_element": sum(c.bits for c in chosen) / len(chosen),
-        "objective": "sum of squared relative attention-output errors (K and V of every layer)",
+        "quantized_layers": len(layers), "layers": L,
+        "objective": "sum of squared relative attention-output errors (K and V of every quantized layer)",
         "predicted_sum_sq": sum(c.error ** 2 for c in chosen),
         "candidates": [[{"format": c.format.label, "bits": c.bits, "error": round(c.error, 6),
                          "head_error": [round(e, 6) for e in c.head_error]} for c in cands] for cands in scores],
+        "candidate_layers": [i for i in layers for _ in "kv"],
     }
     return formats, record
 

@@ -97,6 +97,27 @@ def test_select_formats_planted_layer_and_roundtrip(tmp_path):
     assert "per-layer formats" in text and "channel2/none" in text
 
 
+def test_budget_is_spent_over_the_quantized_layers_only():
+    from oscarkv.artifact import ModelIdentity
+
+    ident = ModelIdentity("llama", num_layers=4, num_q_heads=H * G, num_kv_heads=H, head_dim=D, hidden_size=64)
+    calib = Calibration.identity(ident, SPEC)
+    held = [[_held(i, i == 1)] for i in range(4)]
+    kc = [TensorFormat("token", 2, "none"), TensorFormat("token", 4, "none")]
+    vc = [TensorFormat("token", 2, "none"), TensorFormat("token", 4, "none")]
+    budget = 2 + 32 / 16 + 1.0  # room to upgrade half of the tensors of the layers it covers
+    formats, record = select_formats(held, calib, budget, key_candidates=kc, value_candidates=vc,
+                                     quantized_layers=[False, True, False, True])
+    assert [f.get("quantized", True) for f in formats] == [False, True, False, True]
+    assert record["quantized_layers"] == 2 and len(record["candidates"]) == 4
+    assert record["candidate_layers"] == [1, 1, 3, 3]
+    spent = [f[f"{w}_bits_per_element"] for f in formats if f.get("quantized", True) for w in "kv"]
+    assert sum(spent) / 4 == pytest.approx(record["bits_per_element"]) and record["bits_per_element"] <= budget
+    assert record["bits_per_element"] > 2 + 32 / 16  # the budget was used on the two quantized layers
+    with pytest.raises(ValueError, match="at least one True"):
+        select_formats(held, calib, budget, key_candidates=kc, value_candidates=vc, quantized_layers=[False] * 4)
+
+
 def test_calibrate_with_bit_budget_selects_and_oscar_auto_resolves(tmp_path):
     from calib_helpers import VOCAB, tiny_model
 
