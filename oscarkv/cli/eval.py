@@ -54,15 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_ints, default=[1024, 2048], help="context lengths (default 1024,2048)")
     p.add_argument("--windows", type=int, default=4, help="windows per context length for kld/ppl/fidelity (default 4)")
     p.add_argument("--score-from", type=int, help="first scored position (default: sink + window of the calibration)")
-    p.add_argument("--reference", default="bf16",
+    p.add_argument("--reference", default=None,
                    help="method the others are compared with: bf16 (default: K/V in the 16-bit cache tiers, simulated), "
                    "native (the model and its own cache; on a bfloat16 model the same K/V with the model's attention "
-                   "kernels) or fp32")
+                   "kernels; the suite's default) or fp32")
     p.add_argument("--niah-lengths", type=_ints, help="NIAH context lengths (default: --context)")
     p.add_argument("--niah-depths", type=_floats, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
     p.add_argument("--niah-variants", type=_names, default=["single-number-essay", "multikey-word-noise"],
                    help="kind-value-haystack list (kinds single|multikey, values number|word, haystacks essay|noise)")
-    p.add_argument("--niah-samples", type=int, default=1, help="seeds per (variant, length, depth) (default 1)")
+    p.add_argument("--niah-samples", type=int, default=None,
+                   help="seeds per (variant, length, depth) (default 1; 10 in --suite)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="tokens per chunk of every chunked prefill through a cache: NIAH, and --path cache (default 256)")
     p.add_argument("--path", choices=("auto", "simulate", "cache"), default="auto",
@@ -96,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-data", type=_names, default=["shakespeare", "kjv", "shakespeare+chat"],
                    help="shift study: calibration corpora; '+chat' wraps chunks in the chat template")
     p.add_argument("--study-method", default="oscar", help="method evaluated by the studies (default oscar)")
+    p.add_argument("--suite", choices=("long-context",),
+                   help="run the long-context suite (docs/evaluation.md) within --time-budget seconds instead of "
+                   "--tasks: the curve and next-line accuracy on code, NIAH, long generation, a cross-check")
+    p.add_argument("--suite-context", type=int, default=32768,
+                   help="the suite's longest context (default 32768: the model's maximum)")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and plots from --out")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for this run (default: torch's choice); --threads 1 on a shared machine")
@@ -120,11 +126,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         print("error: --model is required (or --report-only)", file=sys.stderr)
         return 2
+    if args.reference is None:
+        args.reference = "native" if args.suite else "bf16"
+    if args.niah_samples is None:
+        args.niah_samples = 10 if args.suite else 1
     try:
         ctx, plan = _build(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.suite:
+        return _run_suite(args, ctx)
     if args.study:
         from oscarkv.eval.studies import run_study
 
@@ -191,6 +203,33 @@ def _build(args: argparse.Namespace):
 
     print("numerics: " + ", ".join(f"{k} {v}" for k, v in numerics_info(ctx).items()), file=sys.stderr)
     return ctx, plan
+
+
+def _run_suite(args: argparse.Namespace, ctx) -> int:
+    """``--suite long-context``: the steps of :func:`oscarkv.eval.suite.long_context_steps` on the loaded model."""
+    import dataclasses
+
+    from oscarkv.eval.backend import HFBackend
+    from oscarkv.eval.report import write_report
+    from oscarkv.eval.runner import MAIN_METHODS
+    from oscarkv.eval.suite import long_context_steps, run_suite
+    from oscarkv.eval.texts import load_eval_text
+
+    if args.time_budget is None:
+        print("error: --suite needs --time-budget SECONDS", file=sys.stderr)
+        return 2
+    texts = {}
+
+    def make_context(data: str, kernels: str):
+        if data not in texts:
+            texts[data] = load_eval_text(data)
+        backend = HFBackend(ctx.backend.calibration, ctx.backend.extra, kernels=kernels)
+        return dataclasses.replace(ctx, text=texts[data], backend=backend, _tokens=None, _tokens_all=False)
+
+    steps = long_context_steps(args.suite_context, args.prefill_chunk, args.niah_samples)
+    run_suite(make_context, steps, args.out, args.time_budget, log=lambda m: print(m, file=sys.stderr))
+    print(f"wrote {write_report(args.out, order=list(MAIN_METHODS))}")
+    return 0
 
 
 def _model_name(name: str) -> str:

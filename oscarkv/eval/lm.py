@@ -41,9 +41,10 @@ PATHS = ("simulate", "cache")
 
 def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *, chunk: int = 256,
            bucket: int = 1024, path: str = "simulate", prefill_chunk: int = 64, batch: int = 1, lines: bool = False,
-           deadline: float | None = None) -> list[dict]:
+           simulate_chunk: int = 1, deadline: float | None = None) -> list[dict]:
     """Evaluate ``methods`` on up to ``n_windows`` windows of ``length`` tokens; returns the new records (finished
-    units found in the store are skipped). ``deadline`` (``time.monotonic()`` value): start no new window (batch
+    units found in the store are skipped). ``simulate_chunk``: the simulation's chunk (1: decode semantics; the
+    cache path's ``prefill_chunk``: the same semantics as the cache path, a cross-check). ``deadline`` (``time.monotonic()`` value): start no new window (batch
     of windows on the cache path) after it; every window started is finished for every method."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
@@ -58,6 +59,8 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
         protocol.update(path="cache", prefill_chunk=prefill_chunk, **ctx.cache_protocol(force=True))
     if lines:
         protocol["lines"] = True
+    if path == "simulate" and simulate_chunk != 1:
+        protocol["simulate_chunk"] = simulate_chunk
     runs = {m: ctx.run_id(TASK, m, length, **protocol) for m in methods}
     paths = {m: ctx.store.path(ctx.model_name, ctx.text.name, m, TASK, length) for m in methods}
     done = {m: ctx.store.done(paths[m], runs[m]) for m in methods}
@@ -82,7 +85,7 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
                     hidden[i][m] = ctx.reference_hidden(wins[i], _ref_label(ctx, length, i))
                 extra: dict = {"path": "self"}  # the reference itself: no pass of its own
             elif path == "simulate":
-                with peak_memory(ctx.model) as mem, ctx.simulate(m):
+                with peak_memory(ctx.model) as mem, ctx.simulate(m, **({"chunk": simulate_chunk} if simulate_chunk > 1 else {})):
                     hidden[idx[0]][m] = final_hidden(ctx.model, wins[idx[0]])
                 extra = {"path": "simulate", **mem}
             else:

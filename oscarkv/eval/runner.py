@@ -50,6 +50,7 @@ class Plan:
     longgen_prompts: int = 4
     longgen_tokens: int = 2048
     longgen_context: int | None = None
+    simulate_chunk: int = 1
     deadline: float | None = None
 
     def __post_init__(self) -> None:
@@ -82,7 +83,8 @@ def evaluate(s: EvalContext, plan: Plan, *, report: bool = True) -> dict:
         for c in plan.contexts:
             counts[f"lm@{c}"] = len(run_lm(s, plan.methods, c, plan.windows, path=path, bucket=plan.bucket,
                                            prefill_chunk=plan.prefill_chunk, batch=plan.batch,
-                                           lines="code" in plan.tasks, deadline=plan.deadline))
+                                           lines="code" in plan.tasks, simulate_chunk=plan.simulate_chunk,
+                                           deadline=plan.deadline))
     if "greedy" in plan.tasks:
         for c in plan.contexts:
             counts[f"greedy@{c}"] = len(run_greedy(s, plan.methods, c, plan.greedy_prompts,
@@ -110,18 +112,22 @@ def evaluate(s: EvalContext, plan: Plan, *, report: bool = True) -> dict:
 
 def _essays(s: EvalContext) -> tuple[str, str]:
     """``(name, text)`` of the held-out prose for the NIAH ``essay`` haystack: the evaluation text itself when it
-    is the essays or a file, else the essays' held-out split, else (essays not installed) the evaluation text,
-    named in every record's protocol."""
+    is the essays or a file, else the essays' held-out split, else (essays not installed) the held-out ``docs``;
+    any other haystack than the essays is named in every record's protocol."""
     if s.text.name == "essays" or s.text.provenance.get("kind") == "file":
         return s.text.name, s.text.text
     from ..data import DataNotAvailableError
     from .texts import load_eval_text
 
-    try:
-        return "essays", load_eval_text("essays").text
-    except DataNotAvailableError:
-        print(f"NIAH: the essays are not installed; the essay haystack is the evaluation text ({s.text.name})")
-        return s.text.name, s.text.text
+    for name in ("essays", "docs"):
+        try:
+            text = load_eval_text(name).text
+        except DataNotAvailableError:
+            continue
+        if name != "essays":
+            print(f"NIAH: the essays are not installed; the essay haystack is the held-out {name}")
+        return name, text
+    return s.text.name, s.text.text
 
 
 def _write_methods_info(s: EvalContext, methods: Sequence[str]) -> None:
