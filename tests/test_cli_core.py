@@ -34,7 +34,7 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
     spec.write_text("sink: 4\nwindow: 8\npage_size: 4\nclip_grid: [1.0, 0.9, 0.8]\n")
     rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
                "256", "--seq-len", "64", "--out", str(out), "--config", str(spec), "--granularity", "head", "--quiet",
-               "--threads", "1"])
+               "--threads", "1", "--bit-budget", "none"])  # held-out chunks of 32 tokens: too short to select
     torch.set_num_threads(threads)  # the CLI set it for its process; restore for the rest of the test session
     assert rc == 0
     text = capsys.readouterr().out
@@ -42,7 +42,7 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
     calib = Calibration.load(out, model=tiny_model("llama"))
     assert calib.spec.granularity == "head" and calib.spec.clip_grid == (1.0, 0.9, 0.8)
     assert {round(r, 5) for r in calib.k_clip.tolist()} <= {1.0, 0.9, 0.8} and calib.provenance["tokens"] == 256
-    assert calib.provenance["data"]["documents"] == ["text"]
+    assert calib.provenance["data"]["documents"] == ["text"] and calib.layer_formats is None
 
     png = tmp_path / "spectra.png"
     assert main(["inspect", str(out), "--plot", str(png)]) == 0
@@ -52,6 +52,24 @@ def test_calibrate_and_inspect_local_model(tiny_dir, tmp_path, capsys):
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert len(info["layers"]) == 2 and info["bits_per_element"] == pytest.approx(2 + 32 / 16)
+
+
+def test_calibrate_selects_per_layer_formats_by_default_and_states_physical_bits(tiny_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    out = tmp_path / "calib"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("sink: 4\nwindow: 8\npage_size: 16\nclip_grid: [1.0, 0.9]\nbit_budget: 5.0\n")  # d = 16: 2-bit rows cost 4 bits
+    rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
+               "1024", "--seq-len", "256", "--out", str(out), "--config", str(spec), "--quiet", "--threads", "1"])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "per-layer" in text and "physical, 16-bit tiers included" in text and "kivi-2" in text
+    calib = Calibration.load(out, model=tiny_model("llama"))
+    sel = calib.provenance["format_selection"]
+    assert calib.layer_formats is not None and len(calib.layer_formats) == 2 and sel["quantized_layers"] == 2
+    assert set(sel["physical_bits"]) == {"4096", "32768"} and sel["physical_bits"]["32768"] < sel["physical_bits"]["4096"]
+    assert sel["budget"] == 5.0 and sel["bits_per_element"] <= 5.0 + 1e-9  # the --config file's budget
 
 
 def test_inspect_rejects_a_non_artifact(tmp_path, capsys):

@@ -32,6 +32,9 @@ KEY_CANDIDATES = tuple(TensorFormat(layout, bits, rot) for bits in (2, 4)
 VALUE_CANDIDATES = tuple(TensorFormat("token", bits, rot) for bits in (2, 4)
                          for rot in ("calibrated", "hadamard", "none"))
 UNIT = 64  # cost resolution of the knapsack: 1/64 bit per element
+# ``oscarkv calibrate``'s default budget (bits per element of the quantized tier): see docs/recipe.md for the
+# measurement that chose it
+DEFAULT_BUDGET = "kivi"
 
 
 @dataclass
@@ -108,6 +111,8 @@ class _Chunk:
             rows = rows[torch.linspace(0, rows.numel() - 1, max_queries).round().long()]
         self.h, self.H, self.rows = h, H, rows
         self.n_q = policy.quantized(T - 1) if T else 0
+        if not rows.numel() or not self.n_q:  # too short to hold a quantized token: not scored
+            return
         self.S = policy.sink
         t = torch.arange(T)[None]
         self.valid = causal_mask(T, h.sliding_window)[rows]
@@ -157,7 +162,8 @@ def score_layer(held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSp
     chunks = [c for c in chunks if c.rows.numel() and c.n_q]
     if not chunks:
         raise ValueError("no held-out chunk is long enough to have quantized tokens (need more than sink + "
-                         "window + page tokens per chunk)")
+                         "window + page tokens per chunk): calibrate with more --tokens, or with --bit-budget none "
+                         "(one format for all layers)")
     H, d = layer["mu_k"].shape
     den = sum(c.den for c in chunks)
     out = []
@@ -271,5 +277,5 @@ def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget
     return formats, record
 
 
-__all__ = ["KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate", "select_formats",
+__all__ = ["DEFAULT_BUDGET", "KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate", "select_formats",
            "default_budget", "resolve_budget", "roundtrips", "chunk_policy"]

@@ -1,7 +1,10 @@
-"""``oscarkv calibrate``: calibrate rotations, means and clip ratios and write an artifact folder.
+"""``oscarkv calibrate``: calibrate rotations, means and clip ratios, select a format per layer and per K/V, and
+write an artifact folder.
 
-With no arguments it runs the embedded default: SmolLM2-135M on the calibration split of the bundled
-Shakespeare, 4096 tokens, written to ``./oscar-smollm2-135m``, and prints a summary.
+With no arguments it runs the embedded default: SmolLM2-135M on the calibration splits of the default mix
+(:data:`oscarkv.data.DEFAULT_CALIBRATION`), 4096 tokens, per-layer formats under the default bit budget
+(:data:`oscarkv.calib.select.DEFAULT_BUDGET`; ``--bit-budget none`` skips the selection), written to
+``./oscar-smollm2-135m``, and prints a summary with the physical bits of the result.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ import time
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_DATA = "shakespeare"
 DEFAULT_TOKENS = 4096
+SUMMARY_LENGTHS = (4096, 32768)  # contexts at which the summary states physical bits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b | HF folder | .gguf file "
                              f"(default {DEFAULT_MODEL})")
-    parser.add_argument("--data", default=DEFAULT_DATA,
-                        help="shakespeare | kjv | essays (calibration split) or a .txt/.jsonl file "
-                             f"(default {DEFAULT_DATA})")
+    from oscarkv.data import DEFAULT_CALIBRATION
+
+    parser.add_argument("--data", default=DEFAULT_CALIBRATION,
+                        help="shakespeare | kjv | essays | code | docs (calibration split), a mix such as code+docs, "
+                             f"or a .txt/.jsonl file (default {DEFAULT_CALIBRATION})")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"token budget (default {DEFAULT_TOKENS})")
     parser.add_argument("--out", help="artifact folder (default ./oscar-<model>)")
     parser.add_argument("--config", help="QuantSpec file (.yaml/.yml/.json); unknown keys are errors")
@@ -33,9 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--granularity", choices=("layer", "head"), help="override the spec's granularity")
     parser.add_argument("--composition", choices=("uhp", "uh", "u", "h", "none"),
                         help="override the spec's rotation composition")
-    parser.add_argument("--bit-budget", type=_budget, default=None, metavar="BITS|kivi",
-                        help="select a format per layer and per K/V (for method oscar-auto) under this mean number "
-                             "of bits per element; 'kivi' = KIVI-2's at the model's head_dim (docs/recipe.md)")
+    from oscarkv.calib.select import DEFAULT_BUDGET
+
+    parser.add_argument("--bit-budget", type=_budget, default=None, metavar="BITS|kivi|none",
+                        help="select a format per layer and per K/V (method oscar-auto) under this mean number of "
+                             "bits per element of the quantized layers' 2-bit tier; 'kivi' = KIVI-2's nominal bits "
+                             f"at the model's head_dim; 'none' = one format for all layers (default: the --config "
+                             f"file's bit_budget, else {DEFAULT_BUDGET}; docs/recipe.md)")
     parser.add_argument("--select-from", metavar="DIR",
                         help="only run the format selection for the existing artifact DIR (its rotations, means and "
                              "clip ratios are kept; its held-out chunks are re-drawn from --data) and write --out")
@@ -47,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _budget(text: str):
-    if text == "kivi":
+    if text in ("kivi", "none"):
         return text
     try:
         value = float(text)
@@ -62,8 +71,14 @@ def _spec(args: argparse.Namespace):
     from oscarkv.config import QuantSpec
 
     spec = QuantSpec.load(args.config) if args.config else QuantSpec()
-    overrides = {k: getattr(args, k) for k in ("granularity", "composition", "bit_budget") if getattr(args, k)}
-    return spec.replace(**overrides) if overrides else spec
+    overrides = {k: getattr(args, k) for k in ("granularity", "composition") if getattr(args, k)}
+    budget = args.bit_budget
+    if budget is None:
+        from oscarkv.calib.select import DEFAULT_BUDGET
+
+        budget = spec.bit_budget if args.config and spec.bit_budget is not None else DEFAULT_BUDGET
+    overrides["bit_budget"] = None if budget == "none" else budget
+    return spec.replace(**overrides)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,8 +118,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     calib.provenance["model_load_s"] = round(load_s, 2)
+    bits = physical_summary(model, calib)
     calib.save(out)
     print(format_summary(calib, out))
+    if bits:
+        print(bits)
     print(f"total        {time.time() - t0:.1f} s (model load {load_s:.1f} s, calibration "
           f"{calib.provenance['wall_time_s']:.1f} s)")
     return 0
@@ -120,9 +138,42 @@ def _select_only(args: argparse.Namespace, model, tok, out: Path, t0: float) -> 
     if Path(args.select_from).resolve() == out.resolve():
         raise ValueError("--out must differ from --select-from (the source artifact is not overwritten)")
     base = Calibration.load(args.select_from, model=model)
-    calib = select_from(model, tok, base, args.data, budget=args.bit_budget, progress=not args.quiet)
+    from oscarkv.calib.select import DEFAULT_BUDGET
+
+    if args.bit_budget == "none":
+        raise ValueError("--select-from selects per-layer formats: give a --bit-budget (BITS or kivi), not none")
+    calib = select_from(model, tok, base, args.data, budget=args.bit_budget or DEFAULT_BUDGET, progress=not args.quiet)
     calib.provenance["selected_from"] = str(Path(args.select_from).resolve())
     calib.provenance["selection_wall_time_s"] = round(time.time() - t0, 2)
+    bits = physical_summary(model, calib)
     calib.save(out)
     print(format_summary(calib, out))
+    if bits:
+        print(bits)
     return 0
+
+
+def physical_summary(model, calib) -> str:
+    """One line on the per-layer selection's bits (nominal over the quantized layers; physical, 16-bit tiers
+    included, at :data:`SUMMARY_LENGTHS` tokens, next to KIVI-2's), also recorded in the provenance; empty
+    without per-layer formats."""
+    import warnings
+
+    from oscarkv import methods
+    from oscarkv.calib import quantized_layers
+    from oscarkv.eval.paths import physical_bits
+
+    sel = calib.provenance.get("format_selection")
+    if calib.layer_formats is None or not sel:
+        return ""
+    mask, d = quantized_layers(model), calib.model.head_dim
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto, kivi = methods.resolve("oscar-auto", calib), methods.resolve("kivi-2", calib)
+    phys = {n: round(physical_bits(auto, d, n, mask), 4) for n in SUMMARY_LENGTHS}
+    ref = {n: round(physical_bits(kivi, d, n, mask), 4) for n in SUMMARY_LENGTHS}
+    sel["physical_bits"] = {str(n): b for n, b in phys.items()}
+    sel["kivi2_physical_bits"] = {str(n): b for n, b in ref.items()}
+    at = ", ".join(f"{phys[n]:.3f} at {n} tokens (kivi-2 {ref[n]:.3f})" for n in SUMMARY_LENGTHS)
+    return (f"per-layer    {sel['bits_per_element']:.3f} bits/element nominal over {sel.get('quantized_layers', '?')} "
+            f"quantized layers (budget {sel['budget']:.3f}); physical, 16-bit tiers included: {at}")
