@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="teacher-forced tasks (kld, ppl, code, longgen): simulate (exact decode semantics, PyTorch), "
                    "cache (chunked prefill through the real cache: the kernels on CUDA) or auto (default: cache on "
                    "CUDA, simulate elsewhere)")
+    p.add_argument("--simulate-chunk", type=int, default=1,
+                   help="--path simulate: model a chunked prefill of this many tokens (default 1: token-by-token "
+                   "decode; the cache path's --prefill-chunk: its exact semantics, a cross-check)")
     p.add_argument("--batch", type=int, default=1,
                    help="windows, NIAH samples or long-generation prompts per cache batch (default 1)")
     p.add_argument("--bucket", type=int, default=1024, help="positions per bucket of the curves (default 1024)")
@@ -170,6 +173,7 @@ def _build(args: argparse.Namespace):
                 greedy_tokens=args.greedy_tokens, greedy_mode=args.greedy_mode, prefill_chunk=args.prefill_chunk,
                 path=args.path, batch=args.batch, bucket=args.bucket, longgen_prompts=args.longgen_prompts,
                 longgen_tokens=args.longgen_tokens, longgen_context=args.longgen_context,
+                simulate_chunk=args.simulate_chunk,
                 deadline=None if args.time_budget is None else time.monotonic() + args.time_budget)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

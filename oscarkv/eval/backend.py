@@ -144,24 +144,13 @@ class HFBackend:
             from ..hf.prepare import full_attention_layers
 
             cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            bits = _nominal_bits(self.recipe(model, method), self._resolve(model, method)[1].model.head_dim,
-                                 full_attention_layers(cfg))
+            from .paths import nominal_bits
+
+            bits = nominal_bits(self.recipe(model, method), self._resolve(model, method)[1].model.head_dim,
+                                full_attention_layers(cfg))
         return {"method": method, "bits": float(bits),
                 "description": m.description, "calibration": self.calibration_tag(method),
                 "calibration_provenance": getattr(calib, "provenance", None)}
-
-
-def _nominal_bits(recipe: Any, head_dim: int, quantized: list[bool]) -> float:
-    """Nominal bits per element of the quantized tier, averaged over K and V of the quantized layers."""
-    meta = 32 if recipe.meta_dtype == "float32" else 16
-    row = recipe.group_size or head_dim
-    total, n = 0.0, 0
-    for i in range(len(recipe.layers)):
-        if quantized[i]:
-            kb, vb, layout = recipe.layer_format(i)
-            total += kb + 2 * meta / (recipe.unit if layout == "channel" else row) + vb + 2 * meta / row
-            n += 2
-    return total / n
 
 
 def _cache_factory(handle: Any) -> Callable[[], Any]:

@@ -43,9 +43,9 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
            bucket: int = 1024, path: str = "simulate", prefill_chunk: int = 64, batch: int = 1, lines: bool = False,
            simulate_chunk: int = 1, deadline: float | None = None) -> list[dict]:
     """Evaluate ``methods`` on up to ``n_windows`` windows of ``length`` tokens; returns the new records (finished
-    units found in the store are skipped). ``simulate_chunk``: the simulation's chunk (1: decode semantics; the
+    units found in the store are skipped; ``methods`` run in the given order). ``simulate_chunk``: the simulation's chunk (1: decode semantics; the
     cache path's ``prefill_chunk``: the same semantics as the cache path, a cross-check). ``deadline`` (``time.monotonic()`` value): start no new window (batch
-    of windows on the cache path) after it; every window started is finished for every method."""
+    of windows on the cache path), nor a new method on it, after it; every unit on file is complete."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
     if prefill_chunk < 1 or batch < 1 or bucket < 1:
@@ -77,6 +77,8 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
         hidden: dict[int, dict[str, Tensor]] = {i: {} for i in group}
         info: dict[tuple[int, str], dict] = {}
         for m in dict.fromkeys(m for i in group for m in todo[i]):
+            if deadline is not None and time.monotonic() > deadline and m != ctx.reference:
+                break  # the methods that ran are scored; the others resume on the next run
             idx = [i for i in group if m in todo[i]]
             bar.set_postfix_str(f"w{idx[0]}{'..' if len(idx) > 1 else ''} {m}")
             t0 = time.perf_counter()

@@ -71,7 +71,10 @@ def run_longgen(ctx: EvalContext, methods: list[str], length: int, n_prompts: in
         runs = {m: ctx.run_id(TASK, m, length, **protocol) for m in methods}
         files = {m: ctx.store.path(ctx.model_name, ctx.text.name, m, TASK, length) for m in methods}
         todo = [m for m in methods if any(f"p{i}" not in ctx.store.done(files[m], runs[m]) for i in group)]
-        for m in todo:
+        for m in list(todo):
+            if deadline is not None and time.monotonic() > deadline:
+                todo = todo[: todo.index(m)]
+                break
             t0 = time.perf_counter()
             if path == "cache":
                 hs, extra = cache_pass(ctx, m, torch.stack(seqs), prefill_chunk)

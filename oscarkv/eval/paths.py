@@ -79,6 +79,21 @@ def quantized_layer_count(cache: Any) -> int:
     return sum(type(layer).__name__ == "OscarLayer" for layer in getattr(cache, "layers", ()))
 
 
+def layer_bits(recipe: Any, head_dim: int) -> list[tuple[float, float] | None]:
+    """Per layer of ``recipe``: nominal bits per element of its quantized tier for K and for V (codes plus scale
+    and offset), or ``None`` for a layer the recipe keeps in 16-bit."""
+    meta = 32 if recipe.meta_dtype == "float32" else 16
+    if hasattr(recipe, "formats"):  # one LayerFormat per layer (None: a 16-bit layer)
+        return [None if f is None else tuple(t.bits_per_element(head_dim, recipe.page_size, recipe.group_size, meta)
+                                             for t in f) for f in recipe.formats]
+    row = recipe.group_size or head_dim
+    out: list[tuple[float, float] | None] = []
+    for i in range(len(recipe.layers)):
+        kb, vb, layout = recipe.layer_format(i)
+        out.append((kb + 2 * meta / (recipe.unit if layout == "channel" else row), vb + 2 * meta / row))
+    return out
+
+
 def physical_bits(recipe: Any, head_dim: int, tokens: int, quantized_layers: list[bool] | None = None) -> float:
     """Bits per stored K/V element of one sequence of ``tokens`` tokens under ``recipe`` (a
     :class:`oscarkv.methods.Recipe`): the 16-bit sink and recent window at 16 bits, the quantized tier at each
@@ -88,23 +103,27 @@ def physical_bits(recipe: Any, head_dim: int, tokens: int, quantized_layers: lis
 
     if tokens <= 0:
         raise ValueError(f"tokens must be > 0, got {tokens}")
-    L = len(recipe.layers)
-    mask = quantized_layers if quantized_layers is not None else [True] * L
     if not recipe.quantized:
         return 16.0
+    bits = layer_bits(recipe, head_dim)
+    mask = quantized_layers if quantized_layers is not None else [True] * len(bits)
     q = policy_for(recipe).quantized(tokens)
-    meta = 32 if recipe.meta_dtype == "float32" else 16
-    row = recipe.group_size or head_dim
     total = 0.0
-    for i in range(L):
-        if not mask[i]:
+    for kv, keep in zip(bits, mask):
+        if kv is None or not keep:
             total += 2 * 16.0 * tokens
-            continue
-        kb, vb, layout = recipe.layer_format(i)
-        k = kb + 2 * meta / (recipe.unit if layout == "channel" else row)
-        v = vb + 2 * meta / row
-        total += 2 * 16.0 * (tokens - q) + (k + v) * q
-    return total / (2 * L * tokens)
+        else:
+            total += 2 * 16.0 * (tokens - q) + (kv[0] + kv[1]) * q
+    return total / (2 * len(bits) * tokens)
 
 
-__all__ = ["record_kernel_paths", "path_summary", "physical_bits", "quantized_layer_count"]
+def nominal_bits(recipe: Any, head_dim: int, quantized_layers: list[bool] | None = None) -> float:
+    """Nominal bits per element of the quantized tier, averaged over K and V of the quantized layers (16.0 for
+    a recipe that quantizes nothing)."""
+    bits = layer_bits(recipe, head_dim) if recipe.quantized else []
+    mask = quantized_layers if quantized_layers is not None else [True] * len(bits)
+    kept = [kv for kv, keep in zip(bits, mask) if kv is not None and keep]
+    return sum(k + v for k, v in kept) / (2 * len(kept)) if kept else 16.0
+
+
+__all__ = ["record_kernel_paths", "path_summary", "layer_bits", "physical_bits", "nominal_bits", "quantized_layer_count"]
