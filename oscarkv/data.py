@@ -372,5 +372,6 @@ def _free_start(doc_len: int, span: int, used: list[tuple[int, int]], rng: rando
 
 
 __all__ = ["load_corpus", "split_names", "sample_chunks", "sample_mixed_chunks", "mix_parts", "held_out_by_hash",
-           "stdlib_dir", "DEFAULT_CALIBRATION", "BUILTIN_CORPORA", "chunk_lengths", "strip_gutenberg", "Corpus", "Document",
+           "stdlib_dir", "DEFAULT_CALIBRATION", "BUILTIN_CORPORA", "chunk_lengths", "strip_gutenberg", "Corpus",
+           "Document",
            "Chunks", "DataNotAvailableError", "SHAKESPEARE_EVAL", "KJV_EVAL", "CORPORA"]

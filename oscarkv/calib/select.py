@@ -277,5 +277,6 @@ def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget
     return formats, record
 
 
-__all__ = ["DEFAULT_BUDGET", "KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate", "select_formats",
+__all__ = ["DEFAULT_BUDGET", "KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate",
+           "select_formats",
            "default_budget", "resolve_budget", "roundtrips", "chunk_policy"]

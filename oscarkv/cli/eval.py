@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=4, help="windows per context length for kld/ppl/fidelity (default 4)")
     p.add_argument("--score-from", type=int, help="first scored position (default: sink + window of the calibration)")
     p.add_argument("--reference", default=None,
-                   help="method the others are compared with: bf16 (default: K/V in the 16-bit cache tiers, simulated), "
+                   help="method the others are compared with: bf16 (default: K/V in the 16-bit cache tiers, "
+                   "simulated), "
                    "native (the model and its own cache; on a bfloat16 model the same K/V with the model's attention "
                    "kernels; the suite's default) or fp32")
     p.add_argument("--niah-lengths", type=_ints, help="NIAH context lengths (default: --context)")
@@ -65,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--niah-samples", type=int, default=None,
                    help="seeds per (variant, length, depth) (default 1; 10 in --suite)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="tokens per chunk of every chunked prefill through a cache: NIAH, and --path cache (default 256)")
+                   help="tokens per chunk of every chunked prefill through a cache: NIAH, and --path cache "
+                   "(default 256)")
     p.add_argument("--path", choices=("auto", "simulate", "cache"), default="auto",
                    help="teacher-forced tasks (kld, ppl, code, longgen): simulate (exact decode semantics, PyTorch), "
                    "cache (chunked prefill through the real cache: the kernels on CUDA) or auto (default: cache on "

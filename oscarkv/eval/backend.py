@@ -2,8 +2,8 @@
 
 The harness needs two things from a method, and nothing else:
 
-* ``simulate(model, method, prompt_len=0, chunk=1)``: a context manager under which ONE full forward pass gives, at every
-  position, the logits a token-by-token decode through the method's cache would give (teacher forcing: KLD,
+* ``simulate(model, method, prompt_len=0, chunk=1)``: a context manager under which ONE full forward pass gives, at
+  every position, the logits a token-by-token decode through the method's cache would give (teacher forcing: KLD,
   PPL, greedy agreement, fidelity); the first ``prompt_len`` tokens count as a prompt prefilled in one pass.
 * ``cache(model, method)``: a context manager yielding a factory of fresh cache objects to pass to the model as
   ``past_key_values`` (chunked prefill of a prompt, then greedy decode: NIAH and ``greedy --mode decode``).
@@ -316,5 +316,6 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate", "greedy_generate_batch",
+__all__ = ["Backend", "HFBackend", "KERNELS", "decoder", "output_head", "final_hidden", "greedy_generate",
+           "greedy_generate_batch",
            "cache_kwarg"]

@@ -128,7 +128,8 @@ class EvalContext:
     def base_record(self, task: str, method: str, length: int | str, run: str, key: str) -> dict:
         return {
             "key": key, "run": run, "task": task, "method": method, "context": length, "model": self.model_name,
-            "data": self.text.name, "calibration": self.method_calibration(method), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "data": self.text.name, "calibration": self.method_calibration(method),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             **self.numerics,
         }
 

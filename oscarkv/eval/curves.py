@@ -61,7 +61,8 @@ def curves(records: Iterable[dict], reps: int = REPS) -> dict[Key, list[dict]]:
             n = sum(x["n"][b] for x in bk)
             row = {"end": min((b + 1) * size, max(int(r["tokens"]) for r in per)), "n": n, "windows": len(per),
                    "kld": kld, "kld_lo": lo, "kld_hi": hi,
-                   "ppl": math.exp(sum(x["nll"][b] for x in bk) / n), "ppl_ref": math.exp(sum(x["nll_ref"][b] for x in bk) / n),
+                   "ppl": math.exp(sum(x["nll"][b] for x in bk) / n),
+                   "ppl_ref": math.exp(sum(x["nll_ref"][b] for x in bk) / n),
                    "top1": sum(x["top1"][b] for x in bk) / n}
             bits = [r["bits_physical_at"][b] for r in per if r.get("bits_physical_at")]
             row["bits"] = sum(bits) / len(bits) if bits else None

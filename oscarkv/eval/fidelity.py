@@ -60,7 +60,8 @@ def scored_positions(length: int, score_from: int, max_positions: int) -> Tensor
     return torch.unique(idx)
 
 
-def run_fidelity(s: EvalContext, methods: list[str], length: int, n_windows: int, *, max_positions: int = 256) -> list[dict]:
+def run_fidelity(s: EvalContext, methods: list[str], length: int, n_windows: int, *,
+                 max_positions: int = 256) -> list[dict]:
     """Per-layer attention-output and logit relative errors of each method on up to ``n_windows`` windows."""
     wins = s.windows(length, n_windows)
     pos = scored_positions(length, s.score_from, max_positions)

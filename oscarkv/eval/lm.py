@@ -43,8 +43,9 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
            bucket: int = 1024, path: str = "simulate", prefill_chunk: int = 64, batch: int = 1, lines: bool = False,
            simulate_chunk: int = 1, deadline: float | None = None) -> list[dict]:
     """Evaluate ``methods`` on up to ``n_windows`` windows of ``length`` tokens; returns the new records (finished
-    units found in the store are skipped; ``methods`` run in the given order). ``simulate_chunk``: the simulation's chunk (1: decode semantics; the
-    cache path's ``prefill_chunk``: the same semantics as the cache path, a cross-check). ``deadline`` (``time.monotonic()`` value): start no new window (batch
+    units found in the store are skipped; ``methods`` run in the given order). ``simulate_chunk``: the
+    simulation's chunk (1: decode semantics; the cache path's ``prefill_chunk``: the same semantics as the cache
+    path, a cross-check). ``deadline`` (``time.monotonic()`` value): start no new window (batch
     of windows on the cache path), nor a new method on it, after it; every unit on file is complete."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {list(PATHS)}, got {path!r}")
@@ -67,7 +68,8 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
     todo = {i: [m for m in methods if f"w{i}" not in done[m]] for i in range(len(wins))}
     todo = {i: ms for i, ms in todo.items() if ms}
     head = output_head(ctx.model)
-    groups = [list(todo)[j: j + (batch if path == "cache" else 1)] for j in range(0, len(todo), batch if path == "cache" else 1)]
+    size = batch if path == "cache" else 1
+    groups = [list(todo)[j: j + size] for j in range(0, len(todo), size)]
     new: list[dict] = []
     bar = tqdm(total=sum(len(ms) for ms in todo.values()), desc=f"{ctx.model_name} lm@{length} ({path})",
                disable=not ctx.progress, unit="pass")
@@ -87,7 +89,8 @@ def run_lm(ctx: EvalContext, methods: list[str], length: int, n_windows: int, *,
                     hidden[i][m] = ctx.reference_hidden(wins[i], _ref_label(ctx, length, i))
                 extra: dict = {"path": "self"}  # the reference itself: no pass of its own
             elif path == "simulate":
-                with peak_memory(ctx.model) as mem, ctx.simulate(m, **({"chunk": simulate_chunk} if simulate_chunk > 1 else {})):
+                chunking = {"chunk": simulate_chunk} if simulate_chunk > 1 else {}
+                with peak_memory(ctx.model) as mem, ctx.simulate(m, **chunking):
                     hidden[idx[0]][m] = final_hidden(ctx.model, wins[idx[0]])
                 extra = {"path": "simulate", **mem}
             else:

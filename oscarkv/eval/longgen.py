@@ -42,7 +42,8 @@ def run_longgen(ctx: EvalContext, methods: list[str], length: int, n_prompts: in
     ref_path = ctx.store.path(ctx.model_name, ctx.text.name, "model", TASK + "-ref", length)
     trajs = {r["key"]: r["tokens"] for r in read_jsonl(ref_path) if r.get("run") == ref_run}
     missing = [i for i in range(len(prompts)) if f"p{i}" not in trajs]
-    for j in tqdm(range(0, len(missing), batch), desc=f"{ctx.model_name} longgen trajectories", disable=not ctx.progress):
+    for j in tqdm(range(0, len(missing), batch), desc=f"{ctx.model_name} longgen trajectories",
+                  disable=not ctx.progress):
         if deadline is not None and time.monotonic() > deadline:
             break
         group = missing[j: j + batch]

@@ -208,4 +208,5 @@ def perplexity(nll_sum: float, n: int) -> float:
     return math.exp(nll_sum / n) if n > 0 else float("inf")
 
 
-__all__ = ["TokenStats", "PositionStats", "compare_heads", "token_stats", "kl_rows", "relative_error", "first_divergence", "perplexity", "peak_memory"]
+__all__ = ["TokenStats", "PositionStats", "compare_heads", "token_stats", "kl_rows", "relative_error",
+           "first_divergence", "perplexity", "peak_memory"]

@@ -168,7 +168,8 @@ class NiahGenerator:
             ids = [self.bos] + ids
         if len(ids) > length:
             raise ValueError(f"NIAH prompt came out at {len(ids)} > {length} tokens; report this as a bug")
-        needle_tok = len(self.tok(intro + " ".join(parts[: parts.index(needles[0])]), add_special_tokens=False)["input_ids"])
+        before = intro + " ".join(parts[: parts.index(needles[0])])
+        needle_tok = len(self.tok(before, add_special_tokens=False)["input_ids"])
         return Sample(torch.tensor(ids, dtype=torch.long), values[0], keys[0], list(zip(keys, values)), depth,
                       needle_tok + (self.bos is not None))
 
@@ -230,7 +231,8 @@ def run_niah(
                         rec = s.base_record(TASK, m, length, run, _key(v, d, k))
                         rec.update(variant=v.name, depth=d, seed=k, tokens=int(smp.input_ids.numel()),
                                    needle_token=smp.needle_token, answer=smp.answer, output=text,
-                                   correct=int(smp.correct(text)), protocol=protocol, seconds=round(sec / len(group), 2),
+                                   correct=int(smp.correct(text)), protocol=protocol,
+                                   seconds=round(sec / len(group), 2),
                                    batch=len(group), path=route["path"], paths=route, **mem, **bits)
                         s.store.append(path, rec)
                         new.append(rec)

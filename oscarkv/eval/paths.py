@@ -126,4 +126,5 @@ def nominal_bits(recipe: Any, head_dim: int, quantized_layers: list[bool] | None
     return sum(k + v for k, v in kept) / (2 * len(kept)) if kept else 16.0
 
 
-__all__ = ["record_kernel_paths", "path_summary", "layer_bits", "physical_bits", "nominal_bits", "quantized_layer_count"]
+__all__ = ["record_kernel_paths", "path_summary", "layer_bits", "physical_bits", "nominal_bits",
+           "quantized_layer_count"]

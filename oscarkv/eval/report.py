@@ -31,7 +31,8 @@ def _summarise(task: str, rs: list[dict]) -> dict:
     out: dict[str, Any] = {"units": len(rs)}
     if task == "lm":
         n = sum(int(r["n"]) for r in rs)
-        out.update(kld=sum(r["kld"] * r["n"] for r in rs) / max(n, 1), top1=sum(r["top1"] * r["n"] for r in rs) / max(n, 1),
+        out.update(kld=sum(r["kld"] * r["n"] for r in rs) / max(n, 1),
+                   top1=sum(r["top1"] * r["n"] for r in rs) / max(n, 1),
                    ppl=perplexity(sum(r["nll"] * r["n"] for r in rs), n),
                    ppl_ref=perplexity(sum(r["nll_ref"] * r["n"] for r in rs), n), tokens=n,
                    logit_rel_err=_mean(rs, "logit_rel_err"), kld_max=max(r["kld_max"] for r in rs),
@@ -42,7 +43,8 @@ def _summarise(task: str, rs: list[dict]) -> dict:
         for r in rs:
             cells[(float(r["depth"]), r["variant"])].append(int(r["correct"]))
         out["by_depth"] = {d: sum(v for (dd, _), vs in cells.items() if dd == d for v in vs)
-                           / sum(len(vs) for (dd, _), vs in cells.items() if dd == d) for d in sorted({k[0] for k in cells})}
+                           / sum(len(vs) for (dd, _), vs in cells.items() if dd == d)
+                           for d in sorted({k[0] for k in cells})}
         out["by_variant"] = {var: _mean([r for r in rs if r["variant"] == var], "correct")
                              for var in sorted({r["variant"] for r in rs})}
         out["by_cell"] = {var: {d: _mean([r for r in rs if r["variant"] == var and float(r["depth"]) == d], "correct")
@@ -99,7 +101,8 @@ def _lm_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> s
     """KLD, top-1 and PPL per context; each row's reference PPL (in parentheses) and window count are its own,
     since methods may have been run on different numbers of windows."""
     ctxs = sorted({g[4] for g in part})
-    head = "| method | bits/elem | " + " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c} (ref) | win@{c}" for c in ctxs) + " | path |"
+    cols = " | ".join(f"KLD@{c} | top-1@{c} | PPL@{c} (ref) | win@{c}" for c in ctxs)
+    head = f"| method | bits/elem | {cols} | path |"
     rows = [head, "|" + "---|" * (3 + 4 * len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
@@ -142,7 +145,8 @@ def _niah_table(part: dict[Group, dict], info: dict, order: list[str] | None) ->
 
 def _greedy_table(part: dict[Group, dict], info: dict, order: list[str] | None) -> str:
     ctxs = sorted({g[4] for g in part})
-    rows = ["| method | " + " | ".join(f"exact@{c} | first-div@{c}" for c in ctxs) + " |", "|" + "---|" * (1 + 2 * len(ctxs))]
+    rows = ["| method | " + " | ".join(f"exact@{c} | first-div@{c}" for c in ctxs) + " |",
+            "|" + "---|" * (1 + 2 * len(ctxs))]
     for m in _order((g[3] for g in part), order):
         cells = []
         for c in ctxs:

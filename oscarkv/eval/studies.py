@@ -50,7 +50,8 @@ def _evaluate(s: EvalContext, labels: dict[str, object], method: str, contexts: 
     recs = []
     for name in [s.reference, *names]:
         for c in contexts:
-            recs += [r for r in s.store.records_for(s.model_name, s.text.name, name, LM_TASK, c) if r.get("key") in keys]
+            recs += [r for r in s.store.records_for(s.model_name, s.text.name, name, LM_TASK, c)
+                     if r.get("key") in keys]
     return aggregate(recs)
 
 
@@ -84,7 +85,8 @@ def run_study(s: EvalContext, study: str, *, method: str = "oscar", tokens: Sequ
         means[what] = sum(klds) / len(klds) if klds else math.nan
         table.append(f"| {what} | " + " | ".join(cells) + f" | {means[what]:.4f} |")
     ref = [agg.get((s.model_name, s.text.name, LM_TASK, s.reference, c)) for c in contexts]
-    table.append(f"\nreference ({s.reference}) PPL: " + ", ".join(f"{c}: {r['ppl']:.2f}" for c, r in zip(contexts, ref) if r))
+    ppl = ", ".join(f"{c}: {r['ppl']:.2f}" for c, r in zip(contexts, ref) if r)
+    table.append(f"\nreference ({s.reference}) PPL: {ppl}")
     return "\n".join(table) + "\n\n" + recommend(study, means) + "\n"
 
 

@@ -44,7 +44,8 @@ def test_bfloat16_model_runs_and_never_mixes_with_float32_units(tiny, cpu_run, t
     methods = ["bf16", "naive-int2", "oscar"]
     assert run_eval(tiny, out, "--dtype", "bfloat16", methods=methods, tasks=["kld", "ppl"]) == 0
     lm = records(out, "lm")
-    assert {(r["dtype"], r["method"]) for r in lm.values() if r["dtype"] == "bfloat16"} == {("bfloat16", m) for m in methods}
+    bf16 = {(r["dtype"], r["method"]) for r in lm.values() if r["dtype"] == "bfloat16"}
+    assert bf16 == {("bfloat16", m) for m in methods}
     runs = {(r["dtype"], r["run"]) for r in lm.values()}
     assert len({run for _, run in runs}) == len(runs)  # no fingerprint shared by the two dtypes
     refs = sorted(p.name for p in (out / ".ref").rglob("*.pt"))

@@ -17,8 +17,8 @@ def test_suite_runs_every_step_and_reports(tmp_path):
     tiny = make_tiny(tmp_path / "tiny")
     out = tmp_path / "out"
     argv = ["eval", "--suite", "long-context", "--suite-context", "256", "--model", str(tiny.model_dir),
-            "--calibration", str(tiny.calib_dir), "--prefill-chunk", "64", "--niah-samples", "1", "--time-budget", "900",
-            "--out", str(out), "--quiet"]
+            "--calibration", str(tiny.calib_dir), "--prefill-chunk", "64", "--niah-samples", "1", "--time-budget",
+            "900", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     status = json.loads((out / "suite.json").read_text())
     first = [s for s in status["runs"][0]["steps"] if s["round"] == 0]
