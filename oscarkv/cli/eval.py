@@ -108,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite-context", type=int, default=32768,
                    help="the suite's longest context (default 32768: the model's maximum)")
     p.add_argument("--report-only", action="store_true", help="only rebuild summary.md and plots from --out")
+    p.add_argument("--export", metavar="DIR",
+                   help="with --report-only: also write the results as a result of record into DIR, as "
+                   "<topic>_<date>_<commit>.json (summary, commands, texts, calibrations, versions) and its plots")
+    p.add_argument("--topic", help="the topic that names an --export (e.g. curve-smollm2)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for this run (default: torch's choice); --threads 1 on a shared machine")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -127,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)  # the CLI's own process: no library-wide state is touched
     if args.report_only:
         print(f"wrote {write_report(out, order=list(MAIN_METHODS))}")
+        if args.export:
+            if not args.topic:
+                print("error: --export needs --topic NAME", file=sys.stderr)
+                return 2
+            from oscarkv.eval.report import export
+
+            print(f"wrote {export(out, args.export, args.topic)}")
         return 0
     if not args.model:
         print("error: --model is required (or --report-only)", file=sys.stderr)

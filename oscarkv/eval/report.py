@@ -276,4 +276,45 @@ def write_report(out: str | Path, order: list[str] | None = None, title: str = "
     return out / "summary.md"
 
 
-__all__ = ["aggregate", "markdown_tables", "plots", "write_report"]
+def export(out: str | Path, dest: str | Path, topic: str) -> Path:
+    """Write the results of ``out`` as a result of record: ``dest/<topic>_<date>_<commit>.json`` (the summary,
+    every model's ``methods.json`` with its commands, texts and calibration provenance, and the versions and
+    commit it was made with) and the plots beside it as ``<topic>_<date>_<commit>_<plot>.png``. Run
+    :func:`write_report` first."""
+    import datetime
+    import platform
+    import shutil
+    import subprocess
+
+    import torch
+
+    from .. import __version__
+
+    out, dest = Path(out), Path(dest)
+    summary = out / "summary.json"
+    if not summary.is_file():
+        raise FileNotFoundError(f"{summary} is missing: rebuild the report first (oscarkv eval --report-only)")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                                check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "nocommit"
+    date = datetime.date.today().isoformat()
+    stem = f"{topic}_{date}_{commit}"
+    dest.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    record = {"topic": topic, "date": date, "commit": commit, "oscarkv": __version__, "torch": torch.__version__,
+              "transformers": transformers.__version__, "python": platform.python_version(),
+              "machine": platform.machine(), "models": {}, "summary": json.loads(summary.read_text())}
+    for p in sorted(out.glob("*/methods.json")):
+        meta = json.loads(p.read_text())
+        record["models"][meta.get("model", p.parent.name)] = meta
+    path = dest / f"{stem}.json"
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    for png in sorted((out / "plots").glob("*.png")):
+        shutil.copy(png, dest / f"{stem}_{png.name}")
+    return path
+
+
+__all__ = ["aggregate", "markdown_tables", "plots", "write_report", "export"]

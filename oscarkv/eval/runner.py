@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -131,7 +133,8 @@ def _essays(s: EvalContext) -> tuple[str, str]:
 
 
 def _write_methods_info(s: EvalContext, methods: Sequence[str]) -> None:
-    """``<out>/<model>/methods.json``: per method, bits per element and what the backend says about it."""
+    """``<out>/<model>/methods.json``: per method, bits per element and what the backend says about it; the
+    evaluation texts and the command lines that wrote into the folder."""
     path = Path(s.store.root) / s.store.path(s.model_name, "x", "x", "x", 0).parent.parent.parent.name / "methods.json"
     info = json.loads(path.read_text()) if path.is_file() else {"model": s.model_name, "methods": {}}
     for m in methods:
@@ -140,6 +143,11 @@ def _write_methods_info(s: EvalContext, methods: Sequence[str]) -> None:
     info["numerics"] = numerics_info(s)
     info["calibration_provenance"] = getattr(s.calibration, "provenance", None)
     info["text"] = {"name": s.text.name, "sha256": s.text.sha256, **s.text.provenance}
+    info.setdefault("texts", {})[s.text.name] = info["text"]
+    command = shlex.join(["oscarkv", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith(("oscarkv", "__main__.py")) \
+        else None
+    if command and command not in info.setdefault("commands", []):
+        info["commands"].append(command)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=1, default=str) + "\n")
 
