@@ -124,3 +124,44 @@ def test_sample_chunks_with_chat_template():
     out = data.sample_chunks(tok, [word_text(100)], [20], seed=0, chat_template=True)
     words = tok.convert_ids_to_tokens(out.input_ids[0].tolist())
     assert len(words) == 20 and words[:2] == ["<s>", "<u>"] and words[-1] == "</u>"
+
+
+@pytest.mark.parametrize("corpus", ["code", "docs"])
+def test_builtin_corpora_split_by_name_hash(corpus):
+    names = data.split_names(corpus)
+    calib, held = set(names["calibration"]), set(names["evaluation"])
+    assert calib and held and not calib & held
+    assert all(data.held_out_by_hash(n) for n in held) and not any(data.held_out_by_hash(n) for n in calib)
+    assert len(calib) < len(held)  # a quarter of the names calibrate
+    docs = data.load_corpus(corpus, "evaluation").documents
+    assert all(d.text.strip() for d in docs)
+    if corpus == "code":
+        assert "test" not in held | calib and "site-packages" not in held | calib
+        first = next(d for d in docs if "# file: " in d.text)
+        assert first.text.startswith(f"# file: {first.name}")
+
+
+def test_held_out_by_hash_depends_on_the_name_only():
+    assert data.held_out_by_hash("asyncio") == data.held_out_by_hash("asyncio")
+    flags = [data.held_out_by_hash(f"module{i}") for i in range(400)]
+    assert 0.65 < sum(flags) / len(flags) < 0.85  # about three quarters held out
+
+
+def test_mixed_chunks_take_turns_and_plan_chunks_holds_out_one_per_corpus():
+    from oscarkv.calib import plan_chunks
+
+    tok = word_tokenizer()
+    a = data.Corpus("a", "calibration", (data.Document("x", word_text(600, seed=1)),))
+    b = data.Corpus("b", "calibration", (data.Document("y", word_text(600, seed=2)),))
+    out = data.sample_mixed_chunks(tok, [a, b], [40, 40, 40, 20], seed=3)
+    assert [o[0].split("/")[0] for o in out.origin] == ["a", "b", "a", "b"]
+    assert [c.numel() for c in out.input_ids] == [40, 40, 40, 20]
+    with pytest.raises(ValueError, match="mix of corpora"):
+        data.mix_parts("code++docs")
+    assert data.mix_parts("code+docs") == ["code", "docs"]
+    with pytest.raises(ValueError, match="mix of corpora"):
+        data.load_corpus("code+docs")
+    stats, hold, prov = plan_chunks("code+docs", tok, tokens=2048, seq_len=512, seed=0, holdout=0.25)
+    assert prov["corpus"] == "code+docs" and [m["corpus"] for m in prov["mix"]] == ["code", "docs"]
+    assert len(hold) == 2 and {c.split("/")[0] for c in prov["chunks"][-2:]} == {"code", "docs"}
+    assert sum(c.numel() for c in stats) + sum(c.numel() for c in hold) == 2048
