@@ -4,8 +4,9 @@
   was asked to run ("triton", "cuda" or "reference"); :func:`path_summary` turns the counts of a cache pass into
   the ``path`` recorded with its results: ``kernels`` when every attention call of every quantized layer went
   to a kernel, ``reference`` when all went to the dispatcher's PyTorch reference, ``torch`` when none reached
-  the dispatcher (the cache's own PyTorch attention), ``mixed`` otherwise. Teacher-forced simulation passes
-  record ``simulate`` (plain PyTorch, no cache).
+  the dispatcher (the cache's own PyTorch attention), ``mixed`` otherwise, ``model`` for a cache with no
+  quantized layer (the model's own attention). Teacher-forced simulation passes record ``simulate`` (plain
+  PyTorch, no cache).
 * :func:`physical_bits` gives the bits per stored K/V element of a method's cache after ``T`` tokens, counting
   the 16-bit tiers, from the method's recipe and the tier rule; the tests check it against the bytes of real
   caches (:meth:`oscarkv.hf.OscarCache.nbytes`).
@@ -50,7 +51,7 @@ def record_kernel_paths() -> Iterator[dict[str, Counter]]:
 
 
 def path_summary(counts: dict[str, Counter], attention_calls: int) -> dict:
-    """``{"path": kernels|reference|torch|mixed|unrecorded, "attention": {...}, "ops": {...}}`` for a cache
+    """``{"path": kernels|reference|torch|mixed|model|unrecorded, "attention": {...}, "ops": {...}}`` for a cache
     pass that made ``attention_calls`` attention calls in quantized layers."""
     ops = {op: dict(c) for op, c in counts.items()}
     if "unrecorded" in counts:
@@ -61,8 +62,8 @@ def path_summary(counts: dict[str, Counter], attention_calls: int) -> dict:
     att["torch"] = max(0, attention_calls - sum(att.values()))
     att = {k: v for k, v in att.items() if v}
     kern = sum(v for k, v in att.items() if k in KERNEL_BACKENDS)
-    if not att:
-        path = "none"
+    if not att:  # no quantized layer: the model's own attention (the native pseudo-method, transformers' caches)
+        path = "model"
     elif kern == sum(att.values()):
         path = "kernels"
     elif set(att) == {"reference"}:
