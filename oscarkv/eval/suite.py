@@ -1,10 +1,11 @@
 """The long-context suite: every long-context measurement of one model in one time-capped, resumable run.
 
 ``oscarkv eval --suite long-context --model M --calibration DIR --device cuda --dtype bfloat16 --time-budget 360``
-runs the steps of :func:`long_context_steps` in order (the error-versus-context curve with next-line accuracy on
-code, the NIAH grid, long generation, a cross-check of the cache path against the simulation, shorter NIAH
-rows). Each step may use its ``share`` of the budget before the next one starts; a step stops starting new
-units at its deadline and finishes the unit in flight, so every cell on file is complete (all methods of a
+runs the steps of :func:`long_context_steps` in order: the error-versus-context curve with next-line accuracy on
+code, the NIAH grid, long generation, a cross-check of the cache path against the simulation together with the
+per-layer attention-output errors of one window (which say where a miss comes from), shorter NIAH rows. Each
+step may use its ``share`` of the budget before the next one starts; a step stops starting new units at its
+deadline and finishes the unit in flight, so every cell on file is complete (all methods of a
 window batch, all samples of a NIAH batch). Time left at the end goes to the unfinished steps again, in order.
 Every step's start, end, new units and any error are written to ``<out>/suite.json``; a step that raises on
 the kernel path is run again with the dispatcher's reference (``kernels="reference"``), which every record then
@@ -60,7 +61,7 @@ def long_context_steps(context: int = 32768, prefill_chunk: int = 256, niah_samp
         Step("longgen", 0.2, "code", {"methods": LONGGEN_METHODS, "tasks": ["longgen"], "contexts": [context // 4],
                                       "longgen_prompts": 8, "longgen_tokens": min(2048, context // 16), "batch": 8,
                                       **common}),
-        Step("crosscheck", 0.05, "code", {"methods": ["oscar", "oscar-auto"], "tasks": ["kld"],
+        Step("crosscheck", 0.05, "code", {"methods": ["oscar-auto", "oscar", "kivi-2"], "tasks": ["kld", "fidelity"],
                                           "contexts": [context], "windows": 1, "path": "simulate",
                                           "simulate_chunk": prefill_chunk}),
         Step("niah-rows", 0.15, "code", {"methods": NIAH_ROW_METHODS, "tasks": ["niah"],

@@ -26,7 +26,7 @@ def test_suite_runs_every_step_and_reports(tmp_path):
     assert all("errors" not in s and s["kernels"] == "auto" for s in first)
     units = {s["step"]: s["new_units"] for s in first}
     assert units["curve"] == {"lm@256": 6 * 8} and units["niah"] == {"niah": 3 * 5 * 1 * 2}
-    assert units["longgen"] == {"longgen@64": 4 * 8} and units["crosscheck"] == {"lm@256": 2}
+    assert units["longgen"] == {"longgen@64": 4 * 8} and units["crosscheck"] == {"lm@256": 3, "fidelity@256": 3}
     md = (out / "summary.md").read_text()
     assert "KLD by position" in md and "long generation" in md and "NIAH" in md
     again = [s for s in status["runs"][0]["steps"] if s["round"] == 1]
