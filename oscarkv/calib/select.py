@@ -70,26 +70,26 @@ def _rotation(fmt: TensorFormat, calibrated: Tensor, d: int) -> Tensor | None:
 
 
 def roundtrips(x: Tensor, fmt: TensorFormat, r: Tensor | None, mu: Tensor, spec: QuantSpec, page: int,
-               clips: Sequence[float]) -> list[Tensor]:
+               clips: Sequence[float]) -> Tensor:
     """``x`` ``[H, n, d]`` (model basis, ``n`` a multiple of ``page`` for the channel layout) as the cache
-    returns it in ``fmt`` (centered by ``mu`` ``[H, d]``, rotated by ``r`` ``[H, d, d]`` or not), one result per
-    clip ratio in ``clips`` (token layout; the channel layout ignores them and returns one)."""
+    returns it in ``fmt`` (centered by ``mu`` ``[H, d]``, rotated by ``r`` ``[H, d, d]`` or not): ``[C, H, n, d]``,
+    one result per clip ratio in ``clips`` (token layout; the channel layout ignores them: ``C = 1``). The rows of
+    every ratio are quantized in one call (quantization is per row, so this equals one call per ratio)."""
     stored = x - mu.unsqueeze(1)
     if r is not None:
         stored = stored @ r
     meta = spec.meta_dtype
-    outs = []
     if fmt.layout == "channel":
         H, n, d = stored.shape
         pages = stored.reshape(H, n // page, page, d).transpose(0, 1)
         q = quantize_per_channel(pages, bits=fmt.bits, group_size=page, meta_dtype=meta)
-        outs.append(dequantize_per_channel(q).transpose(0, 1).reshape(H, n, d))
+        outs = dequantize_per_channel(q).transpose(0, 1).reshape(1, H, n, d)
     else:
-        for y in clip_rows_grid(stored, clips):
-            q = quantize(y, bits=fmt.bits, group_size=spec.group_for(y.shape[-1]), clip_ratio=0.0, meta_dtype=meta,
-                         check_finite=False)
-            outs.append(dequantize(q, torch.float32))
-    return [(o @ r.transpose(-1, -2) if r is not None else o) + mu.unsqueeze(1) for o in outs]
+        ys = torch.stack(list(clip_rows_grid(stored, clips)))
+        q = quantize(ys, bits=fmt.bits, group_size=spec.group_for(ys.shape[-1]), clip_ratio=0.0, meta_dtype=meta,
+                     check_finite=False)
+        outs = dequantize(q, torch.float32)
+    return (outs @ r.transpose(-1, -2) if r is not None else outs) + mu.unsqueeze(1)
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -100,7 +100,9 @@ def chunk_policy(T: int, spec: QuantSpec) -> TierPolicy:
 
 
 class _Chunk:
-    """One held-out chunk of one layer, prepared once: rows that see a quantized token, masks, reference."""
+    """One held-out chunk of one layer, prepared once: the rows that see a quantized token, their reference
+    output, and the part of each row's softmax that no candidate changes (the columns outside the quantized
+    band), so a candidate costs one pass over the band only."""
 
     def __init__(self, h: HeldOut, policy: TierPolicy, max_queries: int):
         H, T, d = h.k.shape
@@ -115,14 +117,23 @@ class _Chunk:
             return
         self.S = policy.sink
         t = torch.arange(T)[None]
-        self.valid = causal_mask(T, h.sliding_window)[rows]
-        self.quant = (t >= self.S) & (t < self.S + qn[rows, None]) & self.valid
+        valid = causal_mask(T, h.sliding_window)[rows]
+        quant = (t >= self.S) & (t < self.S + qn[rows, None]) & valid
         self.q = h.q[:, rows].reshape(H, -1, rows.numel(), d)  # [H, g, R, d]
-        self.s_base = self._scale(self.q @ h.k.unsqueeze(1).transpose(-1, -2)).masked_fill(~self.valid, float("-inf"))
-        self.p = torch.softmax(self.s_base, dim=-1)
-        self.ref = self.p @ h.v.unsqueeze(1)
+        s_base = self._scale(self.q @ h.k.unsqueeze(1).transpose(-1, -2)).masked_fill(~valid, float("-inf"))
+        p = torch.softmax(s_base, dim=-1)
+        self.ref = p @ h.v.unsqueeze(1)
         self.den = (self.ref * self.ref).sum(dim=(1, 2, 3)).double()
-        self.quant_band = self.quant[:, self.S: self.S + self.n_q]
+        self.quant_band = quant[:, self.S: self.S + self.n_q]  # [R, n_q]
+        # the fixed columns of each row (valid, not quantized: sink, recent window, the row itself): their max,
+        # sum of exponentials and weighted values, combined with a candidate's band by the online-softmax rule
+        s_fixed = s_base.masked_fill(quant, float("-inf"))
+        self.m_f = s_fixed.amax(-1, keepdim=True)
+        e_f = torch.exp(s_fixed - self.m_f)
+        self.l_f = e_f.sum(-1, keepdim=True)
+        self.o_f = e_f @ h.v.unsqueeze(1)
+        self.v_band = self.band(h.v).unsqueeze(1)  # [H, 1, n_q, d]
+        self.p_band = p[..., self.S: self.S + self.n_q] * self.quant_band  # [H, g, R, n_q]
 
     def _scale(self, s: Tensor) -> Tensor:
         s = s * self.h.scaling
@@ -134,19 +145,22 @@ class _Chunk:
         return x[:, self.S: self.S + self.n_q]
 
     def key_error(self, k_band: Tensor) -> Tensor:
-        """Per-head squared error ``[H]`` with the quantized band of keys replaced by ``k_band``."""
-        s = self.s_base.clone()
-        cols = slice(self.S, self.S + self.n_q)
-        s_band = self._scale(self.q @ k_band.unsqueeze(1).transpose(-1, -2))
-        s[..., cols] = torch.where(self.quant_band, s_band, s[..., cols])
-        diff = torch.softmax(s, dim=-1) @ self.h.v.unsqueeze(1) - self.ref
-        return (diff * diff).sum(dim=(1, 2, 3)).double()
+        """Per-head squared error ``[C, H]`` with the quantized band of keys replaced by each of ``k_band``
+        ``[C, H, n_q, d]`` (a row's quantized columns take the candidate's keys, the others keep theirs)."""
+        s_band = self._scale(self.q @ k_band.unsqueeze(2).transpose(-1, -2))  # [C, H, g, R, n_q]
+        s_band = s_band.masked_fill(~self.quant_band, float("-inf"))
+        m = torch.maximum(self.m_f, s_band.amax(-1, keepdim=True))
+        a_f = torch.exp(self.m_f - m)
+        e_b = torch.exp(s_band - m)
+        out = (a_f * self.o_f + e_b @ self.v_band) / (a_f * self.l_f + e_b.sum(-1, keepdim=True))
+        diff = out - self.ref
+        return (diff * diff).sum(dim=(2, 3, 4)).double()
 
     def value_error(self, v_band: Tensor) -> Tensor:
-        dv = torch.zeros_like(self.h.v)
-        dv[:, self.S: self.S + self.n_q] = v_band - self.band(self.h.v)
-        diff = (self.p * self.quant) @ dv.unsqueeze(1)
-        return (diff * diff).sum(dim=(1, 2, 3)).double()
+        """Per-head squared error ``[C, H]`` with the quantized band of values replaced by each of ``v_band``
+        ``[C, H, n_q, d]`` (attention weights unchanged: values enter the output linearly)."""
+        diff = self.p_band @ (v_band.unsqueeze(2) - self.v_band)
+        return (diff * diff).sum(dim=(2, 3, 4)).double()
 
 
 def score_layer(held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSpec, which: str,
@@ -154,8 +168,8 @@ def score_layer(held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSp
     """Held-out error of every candidate format for the keys (``which="k"``) or values (``"v"``) of one layer.
 
     ``held``: the layer's held-out chunks; ``layer``: ``r_k``/``r_v`` ``[H, d, d]`` and ``mu_k``/``mu_v`` ``[H, d]``
-    (float32, the calibration's). Token-layout candidates get the clip ratio of ``spec.clip_grid`` with the
-    smallest error (ties to the least clipping)."""
+    (float32, the calibration's). 2-bit token-layout candidates get the clip ratio of ``spec.clip_grid`` with the
+    smallest error (ties to the least clipping); the others are scored unclipped."""
     cands = list(candidates or (KEY_CANDIDATES if which == "k" else VALUE_CANDIDATES))
     grid = list(spec.clip_grid)
     chunks = [_Chunk(h, chunk_policy(h.k.shape[1], spec), max_queries) for h in held]
@@ -171,12 +185,14 @@ def score_layer(held: Sequence[HeldOut], layer: dict[str, Tensor], spec: QuantSp
         if which == "v" and fmt.layout != "token":
             raise ValueError(f"values are stored token-wise only; got candidate {fmt.label}")
         r = _rotation(fmt, layer[f"r_{which}"], d)
-        clips = grid if fmt.layout == "token" else [0.0]
+        # the clip grid for 2-bit token rows; 4-bit rows and channel pages are not clipped (at 4 bits the grid's
+        # gain is small and the cost is most of the selection's)
+        clips = grid if fmt.layout == "token" and fmt.bits == 2 else [0.0]
         num = torch.zeros(len(clips), H, dtype=torch.float64)
         for c in chunks:
             x = c.band(c.h.k if which == "k" else c.h.v)
-            for j, xh in enumerate(roundtrips(x, fmt, r, layer[f"mu_{which}"], spec, spec.page_size, clips)):
-                num[j] += c.key_error(xh) if which == "k" else c.value_error(xh)
+            xh = roundtrips(x, fmt, r, layer[f"mu_{which}"], spec, spec.page_size, clips)
+            num += c.key_error(xh) if which == "k" else c.value_error(xh)
         errs = (num.sum(1) / den.sum()).sqrt()
         best = float(errs.min())
         j = min((i for i, e in enumerate(errs.tolist()) if e <= best * (1 + 1e-9) + 1e-12), key=lambda i: -clips[i])

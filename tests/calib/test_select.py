@@ -172,3 +172,43 @@ def test_bit_budget_spec_key_and_cli_flag():
     assert p.parse_args(["--bit-budget", "kivi"]).bit_budget == "kivi"
     with pytest.raises(argparse.ArgumentTypeError):
         _budget("-1")
+
+
+@pytest.mark.parametrize("sliding", [None, 48])
+def test_band_errors_equal_a_full_attention_with_the_replaced_tensors(sliding):
+    """The chunk's band-only errors (online-softmax combination of fixed columns and the candidate's band) equal
+    recomputing the whole causal attention with the row's quantized keys (or values) replaced."""
+    from oscarkv.calib.select import _Chunk, chunk_policy
+    from oscarkv.calib.stats import causal_mask
+
+    held = _held(5, True)
+    held = HeldOut(held.q, held.k, held.v, held.scaling, sliding_window=sliding)
+    policy = chunk_policy(T, SPEC)
+    c = _Chunk(held, policy, max_queries=40)
+    g = torch.Generator().manual_seed(1)
+    k_hat = c.band(held.k) + 0.3 * torch.randn(3, H, c.n_q, D, generator=g)
+    v_hat = c.band(held.v) + 0.3 * torch.randn(3, H, c.n_q, D, generator=g)
+    got_k, got_v = c.key_error(k_hat), c.value_error(v_hat)
+    qn = policy.quantized_t(torch.arange(T))
+    valid = causal_mask(T, sliding)
+    for j in range(3):
+        err_k = torch.zeros(H, dtype=torch.float64)
+        err_v = torch.zeros(H, dtype=torch.float64)
+        for r in c.rows.tolist():
+            cols = torch.arange(T)
+            quant = (cols >= c.S) & (cols < c.S + qn[r]) & valid[r]
+            for h in range(H):
+                k = held.k[h].clone()
+                v = held.v[h].clone()
+                k[c.S: c.S + c.n_q] = torch.where(quant[c.S: c.S + c.n_q, None], k_hat[j, h], k[c.S: c.S + c.n_q])
+                v[c.S: c.S + c.n_q] = torch.where(quant[c.S: c.S + c.n_q, None], v_hat[j, h], v[c.S: c.S + c.n_q])
+                for qh in range(h * G, (h + 1) * G):
+                    q = held.q[qh, r]
+                    def att(kk, vv):  # noqa: E306
+                        s = (kk @ q * held.scaling).masked_fill(~valid[r], float("-inf"))
+                        return torch.softmax(s, -1) @ vv
+                    ref = att(held.k[h], held.v[h])
+                    err_k[h] += float(((att(k, held.v[h]) - ref) ** 2).sum())
+                    err_v[h] += float(((att(held.k[h], v) - ref) ** 2).sum())
+        torch.testing.assert_close(got_k[j], err_k, rtol=2e-4, atol=1e-6)
+        torch.testing.assert_close(got_v[j], err_v, rtol=2e-4, atol=1e-6)
