@@ -27,6 +27,11 @@ VALUE_WEIGHTINGS = ("quadratic", "softmax")
 DEFAULT_K_CLIP = 0.96  # the reference code's hand-set ratios, used when fitting is off
 DEFAULT_V_CLIP = 0.92
 DEFAULT_CLIP_GRID = (1.0, 0.99, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
+# The default recipe of ``oscarkv calibrate`` (QuantSpec.default_recipe): the method's spec with 16-bit tiers no
+# larger than KIVI-2's (a 32-token sink and a 64..127-token recent window hold 96..159 tokens in 16-bit, KIVI-2's
+# residual 128..159) and per-layer formats at KIVI-2's nominal bits, so its physical bits match KIVI-2's at every
+# context. Chosen by measurement: docs/recipe.md, "The default recipe".
+DEFAULT_RECIPE = {"sink": 32, "window": 64, "bit_budget": "kivi"}
 
 
 class ConfigError(ValueError):
@@ -122,6 +127,11 @@ class QuantSpec:
         meta_bits = 32 if self.meta_dtype == "float32" else 16
         return self.bits + 2 * meta_bits / self.group_for(head_dim)
 
+    @classmethod
+    def default_recipe(cls) -> "QuantSpec":
+        """The spec ``oscarkv calibrate`` uses without ``--config``: :data:`DEFAULT_RECIPE` over the defaults."""
+        return cls(**DEFAULT_RECIPE)
+
     def replace(self, **changes: Any) -> "QuantSpec":
         unknown = sorted(set(changes) - set(valid_keys()))
         if unknown:
@@ -196,4 +206,5 @@ def resolve_clip(setting: ClipSetting, default: float) -> float:
     return default if setting == "fitted" else float(setting)
 
 
-__all__ = ["QuantSpec", "ConfigError", "valid_keys", "resolve_clip", "DEFAULT_K_CLIP", "DEFAULT_V_CLIP"]
+__all__ = ["QuantSpec", "ConfigError", "valid_keys", "resolve_clip", "DEFAULT_K_CLIP", "DEFAULT_V_CLIP",
+           "DEFAULT_RECIPE"]

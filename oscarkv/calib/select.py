@@ -32,9 +32,6 @@ KEY_CANDIDATES = tuple(TensorFormat(layout, bits, rot) for bits in (2, 4)
 VALUE_CANDIDATES = tuple(TensorFormat("token", bits, rot) for bits in (2, 4)
                          for rot in ("calibrated", "hadamard", "none"))
 UNIT = 64  # cost resolution of the knapsack: 1/64 bit per element
-# ``oscarkv calibrate``'s default budget (bits per element of the quantized tier): see docs/recipe.md for the
-# measurement that chose it
-DEFAULT_BUDGET = "kivi"
 
 
 @dataclass
@@ -293,6 +290,6 @@ def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget
     return formats, record
 
 
-__all__ = ["DEFAULT_BUDGET", "KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate",
+__all__ = ["KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate",
            "select_formats",
            "default_budget", "resolve_budget", "roundtrips", "chunk_policy"]

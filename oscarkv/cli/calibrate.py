@@ -2,9 +2,10 @@
 write an artifact folder.
 
 With no arguments it runs the embedded default: SmolLM2-135M on the calibration splits of the default mix
-(:data:`oscarkv.data.DEFAULT_CALIBRATION`), 4096 tokens, per-layer formats under the default bit budget
-(:data:`oscarkv.calib.select.DEFAULT_BUDGET`; ``--bit-budget none`` skips the selection), written to
-``./oscar-smollm2-135m``, and prints a summary with the physical bits of the result.
+(:data:`oscarkv.data.DEFAULT_CALIBRATION`), 4096 tokens, the default recipe (:meth:`QuantSpec.default_recipe`:
+16-bit tiers no larger than KIVI-2's, per-layer formats under KIVI-2's nominal bits; ``--bit-budget none`` skips
+the selection, ``--config`` replaces the recipe), written to ``./oscar-smollm2-135m``, and prints a summary with
+the physical bits of the result.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--granularity", choices=("layer", "head"), help="override the spec's granularity")
     parser.add_argument("--composition", choices=("uhp", "uh", "u", "h", "none"),
                         help="override the spec's rotation composition")
-    from oscarkv.calib.select import DEFAULT_BUDGET
+    from oscarkv.config import DEFAULT_RECIPE
 
     parser.add_argument("--bit-budget", type=_budget, default=None, metavar="BITS|kivi|none",
                         help="select a format per layer and per K/V (method oscar-auto) under this mean number of "
                              "bits per element of the quantized layers' 2-bit tier; 'kivi' = KIVI-2's nominal bits "
                              f"at the model's head_dim; 'none' = one format for all layers (default: the --config "
-                             f"file's bit_budget, else {DEFAULT_BUDGET}; docs/recipe.md)")
+                             f"file's bit_budget, else {DEFAULT_RECIPE['bit_budget']}; docs/recipe.md)")
     parser.add_argument("--select-from", metavar="DIR",
                         help="only run the format selection for the existing artifact DIR (its rotations, means and "
                              "clip ratios are kept; its held-out chunks are re-drawn from --data) and write --out")
@@ -70,13 +71,13 @@ def _budget(text: str):
 def _spec(args: argparse.Namespace):
     from oscarkv.config import QuantSpec
 
-    spec = QuantSpec.load(args.config) if args.config else QuantSpec()
+    spec = QuantSpec.load(args.config) if args.config else QuantSpec.default_recipe()
     overrides = {k: getattr(args, k) for k in ("granularity", "composition") if getattr(args, k)}
     budget = args.bit_budget
     if budget is None:
-        from oscarkv.calib.select import DEFAULT_BUDGET
+        from oscarkv.config import DEFAULT_RECIPE
 
-        budget = spec.bit_budget if args.config and spec.bit_budget is not None else DEFAULT_BUDGET
+        budget = spec.bit_budget if spec.bit_budget is not None else DEFAULT_RECIPE["bit_budget"]
     overrides["bit_budget"] = None if budget == "none" else budget
     return spec.replace(**overrides)
 
@@ -138,11 +139,12 @@ def _select_only(args: argparse.Namespace, model, tok, out: Path, t0: float) -> 
     if Path(args.select_from).resolve() == out.resolve():
         raise ValueError("--out must differ from --select-from (the source artifact is not overwritten)")
     base = Calibration.load(args.select_from, model=model)
-    from oscarkv.calib.select import DEFAULT_BUDGET
+    from oscarkv.config import DEFAULT_RECIPE
 
     if args.bit_budget == "none":
         raise ValueError("--select-from selects per-layer formats: give a --bit-budget (BITS or kivi), not none")
-    calib = select_from(model, tok, base, args.data, budget=args.bit_budget or DEFAULT_BUDGET, progress=not args.quiet)
+    calib = select_from(model, tok, base, args.data, budget=args.bit_budget or DEFAULT_RECIPE["bit_budget"],
+                        progress=not args.quiet)
     calib.provenance["selected_from"] = str(Path(args.select_from).resolve())
     calib.provenance["selection_wall_time_s"] = round(time.time() - t0, 2)
     bits = physical_summary(model, calib)
