@@ -28,23 +28,42 @@ WARMUP_STEPS = 2  # the first decode step of a batch size captures its CUDA grap
 
 
 # ------------------------------------------------------------------------------- engine coupling
+def _tensor(layout: str, bits: int, clip: float) -> dict:
+    return {"layout": layout, "bits": bits, "rotation": "none" if layout == "channel" else "calibrated",
+            **({} if layout == "channel" else {"clip": clip})}
+
+
+# The per-layer mix of ``kv="oscar-mix"``, cycled over the layers: every key and value format the selection can
+# pick (keys token/channel x 2/4 bits, values 2/4 bits), as a selected artifact mixes them.
+MIX = [{"k": _tensor(kl, kb, 0.96), "v": _tensor("token", vb, 0.92)}
+       for kl, kb, vb in (("token", 2, 2), ("channel", 2, 2), ("token", 4, 4), ("channel", 4, 2), ("token", 2, 4))]
+CACHES = ("bf16", "oscar", "oscar-mix")
+
+
 def make_llm(model, kv: str, *, max_num_seqs: int, max_model_len: int, kv_budget_gb: float, gemv: str = "auto",
              pdl: bool = True, prefill_chunk: int = 2048):
-    """An engine over ``model`` (an engine ``Transformer``) with a ``kv`` ("bf16" / "oscar") pool of
-    ``kv_budget_gb`` GiB. OSCAR gets an identity calibration (random weights have nothing to calibrate on;
-    rotations do not change the cost of a step)."""
+    """An engine over ``model`` (an engine ``Transformer``) with a ``kv`` pool of ``kv_budget_gb`` GiB: "bf16",
+    "oscar" (2-bit token pages in every layer) or "oscar-mix" (per-layer formats, :data:`MIX`). The OSCAR caches
+    get an identity calibration (random weights have nothing to calibrate on; rotations do not change the cost
+    of a step)."""
     from oscarkv.artifact import Calibration, ModelIdentity
     from oscarkv.config import QuantSpec
     from oscarkv.engine import LLM
 
-    calib = None
-    if kv == "oscar":
+    if kv not in CACHES:
+        raise ValueError(f"kv must be one of {', '.join(CACHES)}, got {kv!r}")
+    calib, method = None, None
+    if kv != "bf16":
         c = model.cfg
         ident = ModelIdentity(c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size)
         calib = Calibration.identity(ident, QuantSpec(k_clip=0.96, v_clip=0.92, centering=False, composition="none"),
                                      clip=0.96)
-    return LLM(model, calib, kv=kv, kv_budget_gb=kv_budget_gb, max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len, prefill_chunk=prefill_chunk, monitor_every=0, gemv=gemv, pdl=pdl)
+        if kv == "oscar-mix":
+            calib.layer_formats = [MIX[i % len(MIX)] for i in range(c.num_layers)]
+            method = "oscar-auto"
+    return LLM(model, calib, kv="bf16" if kv == "bf16" else "oscar", method=method, kv_budget_gb=kv_budget_gb,
+               max_num_seqs=max_num_seqs, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+               monitor_every=0, gemv=gemv, pdl=pdl)
 
 
 def pages_per_sequence(llm, tokens: int) -> int:
@@ -117,12 +136,14 @@ def _max_tokens(steps: int, n_seqs: int) -> int:
 
 # ----------------------------------------------------------------------------------------- suites
 def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[[str], None], *, gemv: str = "auto",
-            pdls: tuple[bool, ...] = (True,), max_model_len: int | None = None) -> list[dict]:
-    """One sequence per context, cache and pdl setting: prefill, then the median decode step and its floor."""
+            pdls: tuple[bool, ...] = (True,), max_model_len: int | None = None,
+            caches: tuple[str, ...] = ("bf16", "oscar")) -> list[dict]:
+    """One sequence per context, cache (of :data:`CACHES`) and pdl setting: prefill, then the median decode step
+    and its floor."""
     rows = []
     for ctx in contexts:
         _check_context(ctx)
-        for kv in ("bf16", "oscar"):
+        for kv in caches:
             for pdl in pdls:
                 max_tokens = _max_tokens(steps, 1)
                 llm = make_llm(model, kv, max_num_seqs=1, max_model_len=max(ctx, max_model_len or 0),
@@ -138,7 +159,7 @@ def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[
                          kv_bits_per_element=g["kv_bits_per_element"],
                          kv_paged_bits_per_element=g["kv_paged_bits_per_element"])
                 rows.append(r)
-                log(f"  latency {kv:5s} ctx {ctx:>6d} pdl {'on' if pdl else 'off'}: {r['step_ms']:.3f} ms (floor "
+                log(f"  latency {kv:9s} ctx {ctx:>6d} pdl {'on' if pdl else 'off'}: {r['step_ms']:.3f} ms (floor "
                     f"{floor:.3f}, x{r['ratio_to_floor']:.2f}); prefill {pre['prefill_s']:.1f} s")
                 release(llm)
     return rows
@@ -197,6 +218,21 @@ def memory(latency_rows: list[dict], model) -> dict | None:
                    "bytes_per_token_at_ctx": r["kv_bits_per_element"] * per_elem / 8, "context": r["context"]}
     out["ratio_paged"] = out["bf16"]["paged_bytes_per_token"] / out["oscar"]["paged_bytes_per_token"]
     out["ratio_at_ctx"] = out["bf16"]["bytes_per_token_at_ctx"] / out["oscar"]["bytes_per_token_at_ctx"]
+    return out
+
+
+def mix_table(rows: list[dict]) -> list[str]:
+    """Markdown: per context and pdl setting, the per-layer mix against plain ``oscar``: steps, and the steps
+    relative to each cache's own floor (equal bytes: the mix reads more bytes where it holds 4-bit layers)."""
+    by = {(r["context"], r["kv"], r["pdl"]): r for r in rows}
+    out = ["| context | pdl | oscar ms | x floor | oscar-mix ms | x floor | mix / oscar | at equal bytes |",
+           "|---|---|---|---|---|---|---|---|"]
+    for ctx, pdl in sorted({(k[0], k[2]) for k in by}):
+        o, m = by.get((ctx, "oscar", pdl)), by.get((ctx, "oscar-mix", pdl))
+        if o and m:
+            out.append(f"| {ctx} | {'on' if pdl else 'off'} | {o['step_ms']:.3f} | {o['ratio_to_floor']:.2f} | "
+                       f"{m['step_ms']:.3f} | {m['ratio_to_floor']:.2f} | {m['step_ms'] / o['step_ms']:.2f}x | "
+                       f"{m['ratio_to_floor'] / o['ratio_to_floor']:.2f}x |")
     return out
 
 

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LLM(pdl=...) of the latency suite: on, off, or off,on to time every row both ways")
     p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated subset of {', '.join(SUITES)} "
                    "(memory comes from the latency rows)")
+    p.add_argument("--caches", default="bf16,oscar",
+                   help="caches of the latency suite: bf16, oscar, oscar-mix (per-layer formats, every format mixed)")
     p.add_argument("--git-sha", default=None, help="commit of the code run (default: this checkout's HEAD)")
     p.add_argument("--out", default="e2e.json", help="JSON results file (PNG plots are written next to it)")
     p.add_argument("--plot", metavar="JSON", default=None,
@@ -81,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--suites: unknown {sorted(suites - set(SUITES))} ({', '.join(SUITES)})")
     if set(names) - set(PRESETS):
         raise SystemExit(f"--models: unknown {sorted(set(names) - set(PRESETS))} ({', '.join(PRESETS)})")
+    caches = tuple(c.strip() for c in args.caches.split(",") if c.strip())
+    if set(caches) - set(e2e.CACHES) or not caches:
+        raise SystemExit(f"--caches: one or more of {', '.join(e2e.CACHES)}, got {args.caches!r}")
     pdls = args.pdl if isinstance(args.pdl, tuple) else parse_pdl(str(args.pdl))
     res: dict = {"provenance": provenance(args.git_sha), "gemv": args.gemv, "max_model_len": args.max_model_len,
                  "pdl": ["on" if p else "off" for p in pdls], "peak_bw": e2e.PEAK_BW, "steps": args.steps,
@@ -107,8 +112,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             if suites & {"latency", "memory"}:
                 entry["latency"] = e2e.latency(model, ctxs, timer, args.steps, log, gemv=args.gemv, pdls=pdls,
-                                               max_model_len=args.max_model_len)
+                                               max_model_len=args.max_model_len, caches=caches)
                 entry["latency_table"] = e2e.latency_table(entry["latency"])
+                if "oscar-mix" in caches:
+                    entry["mix_table"] = e2e.mix_table(entry["latency"])
+                    log("\n".join(entry["mix_table"]))
                 entry["memory"] = e2e.memory(entry["latency"], model)
                 log("\n".join(entry["latency_table"]))
                 save()

@@ -84,15 +84,8 @@ def layer_bits(recipe: Any, head_dim: int) -> list[tuple[float, float] | None]:
     """Per layer of ``recipe``: nominal bits per element of its quantized tier for K and for V (codes plus scale
     and offset), or ``None`` for a layer the recipe keeps in 16-bit."""
     meta = 32 if recipe.meta_dtype == "float32" else 16
-    if hasattr(recipe, "formats"):  # one LayerFormat per layer (None: a 16-bit layer)
-        return [None if f is None else tuple(t.bits_per_element(head_dim, recipe.page_size, recipe.group_size, meta)
-                                             for t in f) for f in recipe.formats]
-    row = recipe.group_size or head_dim
-    out: list[tuple[float, float] | None] = []
-    for i in range(len(recipe.layers)):
-        kb, vb, layout = recipe.layer_format(i)
-        out.append((kb + 2 * meta / (recipe.unit if layout == "channel" else row), vb + 2 * meta / row))
-    return out
+    return [None if f is None else tuple(t.bits_per_element(head_dim, recipe.page_size, recipe.group_size, meta)
+                                         for t in f) for f in recipe.formats]
 
 
 def physical_bits(recipe: Any, head_dim: int, tokens: int, quantized_layers: list[bool] | None = None) -> float:
