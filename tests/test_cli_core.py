@@ -59,7 +59,7 @@ def test_calibrate_selects_per_layer_formats_by_default_and_states_physical_bits
     out = tmp_path / "calib"
     spec = tmp_path / "spec.yaml"
     # d = 16: a 2-bit row costs 4 bits per element, so the budget is set by the --config file
-    spec.write_text("sink: 4\nwindow: 8\npage_size: 16\nclip_grid: [1.0, 0.9]\nbit_budget: 5.0\n")
+    spec.write_text("sink: 4\nwindow: 16\npage_size: 16\nclip_grid: [1.0, 0.9]\nbit_budget: 5.0\n")
     rc = main(["calibrate", "--model", str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--tokens",
                "1024", "--seq-len", "256", "--out", str(out), "--config", str(spec), "--quiet", "--threads", "1"])
     torch.set_num_threads(threads)
