@@ -162,7 +162,9 @@ def bench_extend_row(name: str, prefix: int, chunk: int) -> dict:
     hl = (qlen.tolist(), len16.tolist())
     res = {"format": name, "prefix": prefix, "chunk": chunk}
     for impl, kw in (("default", {"host_lengths": hl}), ("fused", {"fold": "fused"})):
-        fn = lambda kw=kw: extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)
+        def fn(kw=kw):
+            return extend_attention_triton(q, kn, vn, kp, vp, bt, qlen, k16, v16, len16, **kw)
+
         try:
             res[f"{impl}_ms"] = timeit(fn, reps=10)
         except Exception as e:  # noqa: BLE001 - report and keep going
@@ -193,7 +195,9 @@ def bench_quantize_row(name: str, n: int) -> dict:
     v = torch.randn_like(k)
     slots = (torch.randperm(n // PS, device="cuda")[:, None] * PS + torch.arange(PS, device="cuda")).view(-1)
     kc = 0.0 if kf.channel else 0.96
-    fn = lambda: dispatch.quantize_write(kp, vp, k, v, slots, k_clip=kc, v_clip=0.92, check_pages=False)
+    def fn():
+        return dispatch.quantize_write(kp, vp, k, v, slots, k_clip=kc, v_clip=0.92, check_pages=False)
+
     ms = timeit(fn)
     nbytes = 2 * n * HKV * D * 2 + n * (kf.bytes_per_token + vf.bytes_per_token) + 8 * n
     return {"format": name, "rows": n, "ms": ms, "bytes": int(nbytes), "GBps": nbytes / ms / 1e6}

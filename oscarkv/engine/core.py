@@ -154,7 +154,7 @@ class Engine:
     def _sample_and_append(self, seqs: list[Sequence], logits: Tensor, done: list[Sequence]) -> None:
         try:
             toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        except Exception as e:  # sampling is per request: find the one that fails
+        except Exception as e:  # noqa: BLE001 - sampling is per request: find the one that fails
             if len(seqs) == 1:
                 self._fail(seqs, e, done)
                 return

@@ -98,7 +98,7 @@ def score_lines(table: LineTable, ids: Tensor, lo: int, pred: Tensor, pred_ref: 
 def _token_text(tokenizer: Any, i: int) -> str:
     try:
         return tokenizer.decode([i])
-    except Exception:  # ids a tokenizer cannot decode (reserved slots past its vocabulary)
+    except Exception:  # noqa: BLE001 - ids a tokenizer cannot decode (reserved slots past its vocabulary)
         return ""
 
 

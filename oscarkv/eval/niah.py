@@ -100,7 +100,7 @@ def _words() -> tuple[str, ...]:
         folder = Path(list(spec.submodule_search_locations)[0]) / "assets"
         words = [w.strip() for w in (folder / "nounlist.txt").read_text().split() if w.strip().isalpha()]
         return tuple(w for w in words if 3 <= len(w) <= 9) or tuple(_FALLBACK_WORDS)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a missing or unreadable word list: the built-in words serve
         return tuple(_FALLBACK_WORDS)
 
 

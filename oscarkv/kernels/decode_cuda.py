@@ -223,13 +223,17 @@ def _struct(name: str, fields: list[tuple[str, object]]):
     return type(name, (ctypes.Structure,), {"_fields_": fields})
 
 
-_P_FIELDS = ([(n, ctypes.c_uint64) for n in ["q", "kc", "vc", "ks", "ko", "vs", "vo", "bt", "qlen", "k16", "v16", "len16", "o_part", "lse_part"]]
-             + [(n, ctypes.c_int64) for n in ["sq_b", "sq_h", "s_kcp", "s_kch", "s_vcp", "s_vch", "s_kmp", "s_kmh", "s_vmp", "s_vmh", "s_bt", "s16_b", "s16_h", "s16_t", "so_b", "so_h", "so_s", "sl_b", "sl_h", "hkv", "tok_per_split", "num_qsplits", "tok16_per_split"]]
+_P_PTRS = ["q", "kc", "vc", "ks", "ko", "vs", "vo", "bt", "qlen", "k16", "v16", "len16", "o_part", "lse_part"]
+_P_INTS = ["sq_b", "sq_h", "s_kcp", "s_kch", "s_vcp", "s_vch", "s_kmp", "s_kmh", "s_vmp", "s_vmh", "s_bt", "s16_b",
+           "s16_h", "s16_t", "so_b", "so_h", "so_s", "sl_b", "sl_h", "hkv", "tok_per_split", "num_qsplits",
+           "tok16_per_split"]
+_P_FIELDS = ([(n, ctypes.c_uint64) for n in _P_PTRS] + [(n, ctypes.c_int64) for n in _P_INTS]
              + [("sm_scale_log2", ctypes.c_double)]
              + [(n, ctypes.c_int64) for n in ("gran_pages", "least_pages")])
 _Params = _struct("_Params", _P_FIELDS)
 _MergeParams = _struct("_MergeParams", [(n, ctypes.c_uint64) for n in ("o_part", "lse_part", "out")] + [
-    (n, ctypes.c_int64) for n in ["so_b", "so_h", "so_s", "sl_b", "sl_h", "sout_b", "sout_h", "hq", "num_splits", "out_dtype"]])
+    (n, ctypes.c_int64) for n in ["so_b", "so_h", "so_s", "sl_b", "sl_h", "sout_b", "sout_h", "hq", "num_splits",
+                                  "out_dtype"]])
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union

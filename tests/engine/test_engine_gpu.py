@@ -32,7 +32,8 @@ def test_gemv_matches_cublas_bf16(M):
         x = torch.randn(M, K, device=DEV, generator=g).bfloat16()
         gu = torch.randn(M, 2 * K, device=DEV, generator=g).bfloat16()
         res = torch.randn(M, N, device=DEV, generator=g).bfloat16()
-        cases = ((x, {}), (x, dict(b=b, residual=res)), (x, dict(norm=nw, eps=1e-6)), (gu, dict(act="silu", residual=res)))
+        cases = ((x, {}), (x, dict(b=b, residual=res)), (x, dict(norm=nw, eps=1e-6)),
+                 (gu, dict(act="silu", residual=res)))
         for xin, kw in cases:
             exact = ref.gemv_ref(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v
                                                               for k, v in kw.items()})

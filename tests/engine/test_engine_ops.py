@@ -33,10 +33,12 @@ def test_fused_kv_write_equals_reference_write_in_interpreter():
 
     N, hq, hkv, d, L, P = 3, 4, 2, 16, 2, 8
     qkv = torch.randn(N, (hq + 2 * hkv) * d)
-    ang = torch.rand(N, d // 2); ang = torch.cat([ang, ang], -1)
+    ang = torch.rand(N, d // 2)
+    ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos(), ang.sin()
     qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
-    rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]; mu = torch.randn(hkv, d)
+    rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]
+    mu = torch.randn(hkv, d)
     fmt = LayerFormat(TensorFormat(), TensorFormat())
     pools = [Paged16Store(L, hkv, d, P, num_slots=4, num_pages=6, max_pages=8, dtype=torch.float32, device="cpu")]
     pools += [PagedStore([fmt] * L, TierPolicy(4, 8, 4), PageGeometry(hkv, d, 4), num_slots=4, num_pages=6,

@@ -82,8 +82,7 @@ def build_cache(B, hkv, g, d, page_size, lens, lens16, c16, *, dtype16=torch.flo
             quantize_write_ref(vp, torch.randn(n, hkv, d, device=device), slots, clip_ratio=v_clip)
     k16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
     v16 = torch.randn(B, hkv, c16, d, device=device).to(dtype16)
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
-    return kp, vp, bt, as_i32(lens), k16, v16, as_i32(lens16)
+    return kp, vp, bt, _i32(device, lens), k16, v16, _i32(device, lens16)
 
 
 def sharp_extend_case(device=DEVICE):
@@ -105,9 +104,12 @@ def sharp_extend_case(device=DEVICE):
     quantize_write_ref(vp, torch.randn(n, hkv, d, device=device) * vscale, slots, clip_ratio=0.92)
     k16 = torch.randn(1, hkv, 4, d, device=device).half()
     v16 = torch.randn(1, hkv, 4, d, device=device).half()
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
-    args = (kp, vp, bt, as_i32([n]), k16, v16, as_i32([3]))
+    args = (kp, vp, bt, _i32(device, [n]), k16, v16, _i32(device, [3]))
     q = (torch.randn(1, T, hkv * g, d, device=device) * 3).half()
     kn = torch.randn(1, T, hkv, d, device=device).half()
     vn = torch.randn(1, T, hkv, d, device=device).half()
     return q, kn, vn, args, extend_attention_ref(q, kn, vn, *args, dtype=torch.float64)
+
+
+def _i32(device, values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)

@@ -21,18 +21,22 @@ def test_dense_ops_match_reference_in_interpreter():
     N, hq, hkv, d = 3, 4, 2, 16
     x, r, w = torch.randn(N, 32), torch.randn(N, 32), torch.randn(32)
     y, h = dense_triton.rmsnorm(x, w, 1e-6, r)
-    torch.testing.assert_close(h, x + r); torch.testing.assert_close(y, R.rmsnorm_ref(x + r, w, 1e-6))
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, R.rmsnorm_ref(x + r, w, 1e-6))
     gu = torch.randn(N, 40)
     torch.testing.assert_close(dense_triton.silu_mul(gu), torch.nn.functional.silu(gu[:, :20]) * gu[:, 20:])
     qkv = torch.randn(N, (hq + 2 * hkv) * d)
-    ang = torch.rand(N, d // 2); ang = torch.cat([ang, ang], -1)
+    ang = torch.rand(N, d // 2)
+    ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos(), ang.sin()
     qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
-    rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]; mu = torch.randn(hkv, d)
+    rk = torch.linalg.qr(torch.randn(hkv, d, d))[0]
+    mu = torch.randn(hkv, d)
     for args in ((None, None, None, None), (qn, kn, rk, mu)):
         a = dense_triton.qk_prep(qkv, hq, hkv, d, cos, sin, args[0], args[1], 1e-6, args[2], args[3])
         b = R.qk_prep_ref(qkv, hq, hkv, d, cos, sin, args[0], args[1], 1e-6, args[2], args[3])
-        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5); torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
     B, P, pages = 3, 16, 9
     kv = torch.randn(2, pages, hkv, P, d)
     bt = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
@@ -62,13 +66,16 @@ def test_gemv_matches_reference_in_interpreter():
         w = (torch.randn(N, K) / K ** 0.5).to(dt)
         b, nw = torch.randn(N).to(dt), (torch.rand(K) + 0.5).to(dt)
         x, gu, res = torch.randn(M, K).to(dt), torch.randn(M, 2 * K).to(dt), torch.randn(M, N).to(dt)
-        cases = ((x, {}), (x, {"b": b, "residual": res}), (x, {"norm": nw, "eps": 1e-6}), (gu, {"act": "silu", "residual": res}))
+        cases = ((x, {}), (x, {"b": b, "residual": res}), (x, {"norm": nw, "eps": 1e-6}),
+                 (gu, {"act": "silu", "residual": res}))
         for cfg in cfgs + [None]:
             for xin, kw in cases:
                 got = gemv_triton.gemv(xin, w, config=cfg, **kw)
-                ref = R.gemv_ref(xin.float(), w.float(), **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
+                fkw = {k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()}
+                ref = R.gemv_ref(xin.float(), w.float(), **fkw)
                 tol = 1e-5 if dt == torch.float32 else 2e-2
-                torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol, msg=f"{dt} {M}x{N}x{K} {cfg} {list(kw)}")
+                torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol,
+                                           msg=f"{dt} {M}x{N}x{K} {cfg} {list(kw)}")
                 # again (split-K: the tickets were reset), and as float32 output (the same rounded values)
                 again = gemv_triton.gemv(xin, w, config=cfg, out_dtype=torch.float32, **kw)
                 assert again.dtype == torch.float32 and torch.equal(again, got.float()), (dt, M, N, K, cfg, list(kw))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from serve_helpers import serving, tiny_llm
 
-_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parents[2] / "benchmarks" / "bench_serve.py")
+_BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_serve.py"
+_spec = importlib.util.spec_from_file_location("bench_serve", _BENCH)
 bench_serve = importlib.util.module_from_spec(_spec)
 sys.modules["bench_serve"] = bench_serve  # dataclasses look their module up there
 _spec.loader.exec_module(bench_serve)

@@ -85,11 +85,13 @@ def test_request_models_accept_or_reject_with_a_400(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 2**31), min_size=1, max_size=50) | st.text(max_size=30)},
+@given(st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 2**31), min_size=1, max_size=50)
+                                        | st.text(max_size=30)},
                              optional={"max_tokens": st.integers(1, 2**31 - 1), "temperature": st.floats(0, 2),
                                        "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(-1, 2**31 - 1),
                                        "n": st.integers(1, MAX_N), "seed": st.integers(0, 2**63 - 1),
-                                       "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1), max_size=8),
+                                       "stop": st.text(min_size=1, max_size=4)
+                                       | st.lists(st.text(min_size=1), max_size=8),
                                        "stream": st.booleans(), "ignore_eos": st.booleans()}))
 def test_valid_requests_parse(body):
     req = parse(CompletionRequest, body)
