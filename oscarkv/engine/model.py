@@ -230,13 +230,6 @@ class Transformer(nn.Module):
             x, residual = x[last], residual[last]
         return self.lm_head(ops.rmsnorm(x, self.norm.weight, self.norm.eps, residual, pdl=pdl)[0]).float()
 
-    def gemv_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(N, K)`` of each decode projection's weight (the keys of ``kernels.gemv_triton.GEMV_SETS``) and lm_head."""
-        a, blk = self.layers[0].attn, self.layers[0]
-        return {"qkv": tuple(a.qkv.weight.shape), "o_proj": tuple(a.o_proj.weight.shape),
-                "gate_up": tuple(blk.gate_up.weight.shape), "down": tuple(blk.down.weight.shape),
-                "lm_head": tuple(self.lm_head.weight.shape)}
-
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding table is only indexed, unless tied)."""
         seen, total = set(), 0

@@ -1,7 +1,7 @@
 """Triton decode GEMV of the decoder (:func:`gemv`, dispatched by :func:`oscarkv.kernels.dispatch.gemv`):
 ``y = linear(pro(x), w, b) (+ residual)`` for a few rows, with an RMSNorm or a SiLU gate fused into its input;
-semantics of :func:`oscarkv.kernels.reference.gemv_ref`. Per-shape launch configurations (``GEMV_CONFIGS``) and
-named sets of them (``GEMV_SETS``, for benchmarks).
+semantics of :func:`oscarkv.kernels.reference.gemv_ref`. Launch configurations come from :func:`gemv_config`
+(per-shape entries in ``GEMV_CONFIGS`` win over its heuristic).
 """
 
 from __future__ import annotations
@@ -60,39 +60,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
 
 
-# (padded rows, N, K) -> config; benchmarks/gemv_probe.py --sweep prints entries measured on a GPU
+# (padded rows, N, K) -> config: a tuned entry for a shape where another tiling than the heuristic's wins
 GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
-
-
-def _fma1(split: int = 1, bn: int = 16, bk: int = 1024, nw: int = 4) -> GemvConfig:
-    return GemvConfig("fma", bn, bk, nw, 1, split_k=split)
-
-
-# Named one-row configurations per decode projection (None: gemv_config's heuristic), to compare on a GPU in a
-# chain (benchmarks/pdl_probe.py) and in the whole step (bench_e2e.py --pdl on:NAME, which enters them into
-# GEMV_CONFIGS for the model's shapes). Not measured yet: no default uses them.
-GEMV_SETS: dict[str, dict[str, GemvConfig | None]] = {
-    "default": {"qkv": None, "o_proj": None, "gate_up": None, "down": None},
-    # about 2-4x the programs of the default on the small projections (8B: 768 / 1024 / 1024)
-    "splitk": {"qkv": _fma1(2), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(4)},
-    # one 16 x 1024 tile per program on the small ones: with PDL all of a program's weights load before the wait
-    "splitk1": {"qkv": _fma1(4), "o_proj": _fma1(4), "gate_up": None, "down": _fma1(12)},
-    # narrower tiles instead (the gemv_probe sweep's best for qkv / o_proj in isolation): gemv_config's choice
-    # for the 8B shapes since session 15 (and "bn8d2" for the 4B ones)
-    "bn8": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
-    # variations of bn8 (H200, session 15, 8B chains: bn8g and bn4 equal to bn8, bn8d / bn8d2 slower; bn8lm's
-    # lm_head on the dot tile 0.05-0.07 ms slower in the whole step)
-    "bn8g": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": _fma1(1, 8), "down": _fma1(1, 16, 2048, 8)},
-    "bn8d": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8)},
-    "bn8d2": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 8, 2048, 8)},
-    "bn4": {"qkv": _fma1(1, 4), "o_proj": _fma1(1, 4), "gate_up": None, "down": _fma1(1, 16, 2048, 8)},
-    # on top of session 15's heuristic (None): 2048-wide 8-warp tiles for gate_up, or for qkv and o_proj (H200,
-    # 8B chains: gu2k slower, 3.772 vs 3.525 ms; qo2k 3.479 in the gemv chain but 3.944 vs 3.891 in the layer one)
-    "gu2k": {"qkv": None, "o_proj": None, "gate_up": _fma1(1, 16, 2048, 8), "down": None},
-    "qo2k": {"qkv": _fma1(1, 8, 2048, 8), "o_proj": _fma1(1, 8, 2048, 8), "gate_up": None, "down": None},
-    "bn8lm": {"qkv": _fma1(1, 8), "o_proj": _fma1(1, 8), "gate_up": None, "down": _fma1(1, 16, 2048, 8),
-              "lm_head": GemvConfig("dot", 64, 128, 4, 3)},
-}
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
@@ -349,4 +318,4 @@ def gemv(x: Tensor, w: Tensor, b: Tensor | None = None, residual: Tensor | None 
     return y
 
 
-__all__ = ["GEMV_CONFIGS", "GEMV_MAX_M", "GEMV_SETS", "GemvConfig", "gemv", "gemv_config"]
+__all__ = ["GEMV_CONFIGS", "GEMV_MAX_M", "GemvConfig", "gemv", "gemv_config"]

@@ -91,7 +91,7 @@ def test_quantized_attention_equals_float_attention_over_dequantized(method):
 
 
 def test_store_layout_matches_kernel_reference():
-    """The per-token pools, block table, qlen and 16-bit buffer are the kernels' layout: the lead's
+    """The per-token pools, block table, qlen and 16-bit buffer are the kernels' layout: the kernels'
     extend_attention_ref over them gives the same output as the cache's own attention path."""
     model = tiny_model("llama")
     calib = random_calibration(model, spec(sink=4, window=8, page_size=4), clip=(0.9, 0.9))
