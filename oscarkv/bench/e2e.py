@@ -68,7 +68,7 @@ def make_llm(model, kv: str, *, max_num_seqs: int, max_model_len: int, kv_budget
 
 def pages_per_sequence(llm, tokens: int) -> int:
     """KV pages one sequence of ``tokens`` tokens occupies in ``llm``'s pool."""
-    return llm.pool.cfg.pages_for(tokens)
+    return llm.store.pages_for(tokens)
 
 
 # ---------------------------------------------------------------------------------------- helpers

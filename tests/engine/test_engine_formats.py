@@ -3,12 +3,11 @@ accounting, and greedy tokens equal to the transformers integration on the same 
 
 import pytest
 import torch
+from test_engine_oscar import make_calib  # noqa: E402  (pytest puts this folder on sys.path)
 
 from oscarkv.config import QuantSpec
 from oscarkv.engine import LLM, SamplingParams
 from oscarkv.kernels.layout import PageFormat
-
-from test_engine_oscar import make_calib  # noqa: E402  (pytest puts this folder on sys.path)
 
 # layer 0: 2-bit channel-page keys (no rotation) + 4-bit values; layer 1: 2-bit token rows, Hadamard keys
 FORMATS = [

@@ -44,10 +44,10 @@ def test_gemv_matches_cublas_bf16(M):
 
 
 def test_fused_kv_write_is_bit_equal_bf16():
-    from oscarkv.kernels import dense_triton
-    from oscarkv.engine.attention import DecodeCtx
     from oscarkv.cache import Paged16Store, PagedStore, PageGeometry, TierPolicy
+    from oscarkv.engine.attention import DecodeCtx
     from oscarkv.formats import LayerFormat, TensorFormat
+    from oscarkv.kernels import dense_triton
 
     torch.manual_seed(0)
     N, hq, hkv, d, L = 4, 32, 8, 128, 2

@@ -26,8 +26,8 @@ def dense_kernels_on_cpu(monkeypatch):
 
 
 def test_fused_kv_write_equals_reference_write_in_interpreter():
-    from oscarkv.engine.attention import DecodeCtx
     from oscarkv.cache import Paged16Store, PagedStore, PageGeometry, TierPolicy
+    from oscarkv.engine.attention import DecodeCtx
     from oscarkv.formats import LayerFormat, TensorFormat
     from oscarkv.kernels import dense_triton
 
@@ -66,7 +66,7 @@ def test_fused_kv_write_equals_reference_write_in_interpreter():
 
 
 def test_decode_path_greedy_in_interpreter(dense_kernels_on_cpu, monkeypatch):
-    from conftest import tiny_hf
+    from engine_helpers import tiny_hf
     from test_engine_oscar import SMALL, make_calib
 
     from oscarkv.engine import LLM, SamplingParams

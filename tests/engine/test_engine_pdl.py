@@ -80,7 +80,7 @@ def test_pdl_reaches_every_decode_kernel_in_interpreter(monkeypatch):
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreter stage")
-    from conftest import tiny_hf
+    from engine_helpers import tiny_hf
     from test_engine_oscar import SMALL, make_calib
 
     from oscarkv.engine import LLM, SamplingParams
