@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import oscarkv, transformers, pytest, triton" >/dev/null 2>&1 || [ ! -x "$VENV/bin/ruff" ] \
+if ! "$PY" -c "import oscarkv, transformers, pytest, triton, fastapi, uvicorn, prometheus_client, hypothesis" >/dev/null 2>&1 || [ ! -x "$VENV/bin/ruff" ] \
     || [ "${OSCARKV_REINSTALL:-0}" = 1 ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q torch==2.13.0
