@@ -129,9 +129,10 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
             from vllm.model_executor.models.utils import extract_layer_index
 
             layers = sorted({extract_layer_index(name) for name in layer_names})
-            for fmt in dict.fromkeys(self.rt.page_formats(i, self.num_kv_heads, self.block_size)[0] for i in layers):
-                prebuild_decode_kernels(fmt, self.num_q_heads, vllm_config.model_config.dtype, self.rt.window_dtype,
-                                        self.max_seqs, logger.warning)
+            for k_fmt, v_fmt in dict.fromkeys(self.rt.page_formats(i, self.num_kv_heads, self.block_size)
+                                              for i in layers):
+                prebuild_decode_kernels(k_fmt, v_fmt, self.num_q_heads, vllm_config.model_config.dtype,
+                                        self.rt.window_dtype, self.max_seqs, logger.warning)
 
     def _new_plan(self, width: int) -> DecodePlan:
         """A decode plan for this rank's heads, every sequence slot and block tables ``width`` pages wide."""

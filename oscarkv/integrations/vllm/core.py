@@ -39,15 +39,16 @@ def ops():
     return dispatch.quantize_write, dispatch.decode_attention, dispatch.extend_attention, dispatch.rotate_rows
 
 
-def prebuild_decode_kernels(fmt: PageFormat, num_q_heads: int, q_dtype: torch.dtype, dtype16: torch.dtype,
-                            max_seqs: int, warn: Callable[[str], None]) -> int:
-    """Build the CUDA decode kernel's cubins for every batch up to ``max_seqs`` before serving (a first-use build
+def prebuild_decode_kernels(k_fmt: PageFormat, v_fmt: PageFormat, num_q_heads: int, q_dtype: torch.dtype,
+                            dtype16: torch.dtype, max_seqs: int, warn: Callable[[str], None]) -> int:
+    """Build the CUDA decode kernel's cubins for key pages ``k_fmt`` and value pages ``v_fmt``, for every batch
+    up to ``max_seqs``, before serving (a first-use build
     costs ~1.7 s of nvcc per configuration, inside a request). Returns how many are ready; on failure ``warn`` is
     told and the kernels build on first use as before (or the Triton kernel serves, where nvcc is missing)."""
     from ...kernels import decode_cuda
 
     try:
-        return len(decode_cuda.prebuild(fmt, num_q_heads, q_dtype, dtype16, max_seqs))
+        return len(decode_cuda.prebuild(k_fmt, num_q_heads, q_dtype, dtype16, max_seqs, v_fmt=v_fmt))
     except Exception as e:  # noqa: BLE001 - a start-up optimisation must not stop the server
         warn(f"OSCAR: the CUDA decode kernel was not built at start ({str(e)[:300]}); it builds on first use")
         return 0

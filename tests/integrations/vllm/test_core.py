@@ -153,16 +153,18 @@ def test_prebuild_decode_kernels_reports_and_never_raises(monkeypatch):
     (the kernel then builds on first use) instead of stopping the server."""
     from oscarkv.kernels import decode_cuda
 
-    fmt, seen, warned = PageFormat(8, 128, page_size=64), [], []
+    k_fmt, v_fmt = PageFormat(8, 128, page_size=64, layout="channel"), PageFormat(8, 128, page_size=64, bits=4)
+    seen, warned = [], []
     monkeypatch.setattr(decode_cuda, "prebuild", lambda *a, **k: seen.append((a, k)) or ["a", "b", "c", "d"])
-    assert prebuild_decode_kernels(fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 4
-    assert seen == [((fmt, 16, torch.bfloat16, torch.bfloat16, 34), {})] and warned == []
+    assert prebuild_decode_kernels(k_fmt, v_fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 4
+    # the value pages' own format reaches the build (a 2-bit key layer with 4-bit values is another kernel)
+    assert seen == [((k_fmt, 16, torch.bfloat16, torch.bfloat16, 34), {"v_fmt": v_fmt})] and warned == []
 
     def fail(*a, **k):
         raise RuntimeError("nvcc failed (sm_90)")
 
     monkeypatch.setattr(decode_cuda, "prebuild", fail)
-    assert prebuild_decode_kernels(fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 0
+    assert prebuild_decode_kernels(k_fmt, v_fmt, 16, torch.bfloat16, torch.bfloat16, 34, warned.append) == 0
     assert len(warned) == 1 and "nvcc failed" in warned[0] and "first use" in warned[0]
 
 
