@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oscarkv.bench.harness import Timer, provenance
 from oscarkv.kernels import dispatch
@@ -204,8 +203,14 @@ def bench_quantize_row(name: str, n: int) -> dict:
 
 
 def load_before(path: str):
-    """(decode_cuda module, DecodePlan class) of the kernels in ``path/oscarkv_before``."""
-    sys.path.insert(0, path)
+    """(decode_cuda module, DecodePlan class) of the kernels in ``path/oscarkv_before`` (imported as the package
+    ``oscarkv_before``, beside this checkout's ``oscarkv``)."""
+    root = Path(path) / "oscarkv_before"
+    spec = importlib.util.spec_from_file_location("oscarkv_before", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["oscarkv_before"] = pkg
+    spec.loader.exec_module(pkg)
     dc = importlib.import_module("oscarkv_before.kernels.decode_cuda")
     plan = importlib.import_module("oscarkv_before.kernels.plan").DecodePlan
     return dc, plan

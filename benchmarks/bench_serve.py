@@ -37,7 +37,6 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oscarkv.bench.harness import provenance
 
 PERCENTILES = (50, 90, 99)
