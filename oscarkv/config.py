@@ -27,11 +27,11 @@ VALUE_WEIGHTINGS = ("quadratic", "softmax")
 DEFAULT_K_CLIP = 0.96  # the reference code's hand-set ratios, used when fitting is off
 DEFAULT_V_CLIP = 0.92
 DEFAULT_CLIP_GRID = (1.0, 0.99, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
-# The default recipe of ``oscarkv calibrate`` (QuantSpec.default_recipe): the method's spec with 16-bit tiers no
-# larger than KIVI-2's (a 32-token sink and a 64..127-token recent window hold 96..159 tokens in 16-bit, KIVI-2's
-# residual 128..159) and per-layer formats at KIVI-2's nominal bits, so its physical bits match KIVI-2's at every
-# context. Chosen by measurement: docs/recipe.md, "The default recipe".
-DEFAULT_RECIPE = {"sink": 32, "window": 64, "bit_budget": "kivi"}
+# The default recipe of ``oscarkv calibrate`` (QuantSpec.default_recipe): per-layer formats at KIVI-2's nominal
+# bits, a one-page sink and a one-page recent window (16-bit tiers of 128..191 tokens; KIVI-2's residual holds
+# 128..159). The sink is one whole page because the vLLM plugin keeps 16-bit rows in whole vLLM blocks: a shorter
+# sink would make the default artifact unservable there.
+DEFAULT_RECIPE = {"sink": 64, "window": 64, "bit_budget": "kivi"}
 
 
 class ConfigError(ValueError):
