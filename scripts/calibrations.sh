@@ -19,6 +19,10 @@ shift || true
 mkdir -p "$OUT"
 spec() { printf '%s\n' "$2" > "$OUT/.$1.yaml"; echo "$OUT/.$1.yaml"; }
 cal() { "$OSCARKV" calibrate --threads 1 --quiet --seed 0 "$@"; }
+# The method's spec (sink 64, window 256; one format for all layers with --bit-budget none): what these results
+# were measured with. Without a --config, `oscarkv calibrate` takes its default recipe (per-layer formats, sink and
+# window of one page); a --config without bit_budget selects per-layer formats at KIVI-2's bits.
+method() { spec method 'window: 256'; }
 
 # name | what it is
 ALL=(
@@ -46,28 +50,29 @@ make_one() {
   t0=$(date +%s)
   case "$name" in
     smollm2-135m)
-      cal --model smollm2-135m --data shakespeare --tokens 8192 --out "$OUT/$name" ;;
+      cal --model smollm2-135m --data shakespeare --tokens 8192 --config "$(method)" --bit-budget none --out "$OUT/$name" ;;
     smollm2-135m-gram)
-      cal --model smollm2-135m --data shakespeare --tokens 8192 --config "$(spec gram 'target: gram')" --out "$OUT/$name" ;;
+      cal --model smollm2-135m --data shakespeare --tokens 8192 --config "$(spec gram 'target: gram')" --bit-budget none \
+        --out "$OUT/$name" ;;
     smollm2-135m-head)
       cal --model smollm2-135m --data shakespeare --tokens 8192 --config "$(spec head 'granularity: head')" \
-        --out "$OUT/$name" ;;
+        --bit-budget none --out "$OUT/$name" ;;
     smollm2-135m-fixedclip)
       cal --model smollm2-135m --data shakespeare --tokens 8192 \
-        --config "$(spec fixedclip $'k_clip: 0.96\nv_clip: 0.92')" --out "$OUT/$name" ;;
+        --config "$(spec fixedclip $'k_clip: 0.96\nv_clip: 0.92')" --bit-budget none --out "$OUT/$name" ;;
     smollm2-135m-studies)  # what `oscarkv eval --study calib-tokens|shift` makes (seq_len = min(1024, tokens / 2))
       for n in 500 2000 8000 32000 50000; do
         cal --model smollm2-135m --data shakespeare --tokens $n --seq-len $(( n / 2 < 1024 ? n / 2 : 1024 )) \
-          --out "$OUT/smollm2-135m/shakespeare-$n"
+          --config "$(method)" --bit-budget none --out "$OUT/smollm2-135m/shakespeare-$n"
       done
-      cal --model smollm2-135m --data essays --tokens 8000 --seq-len 1024 --out "$OUT/smollm2-135m/essays-8000"
-      cal --model smollm2-135m --data shakespeare --tokens 8000 --seq-len 1024 --chat-template \
+      cal --model smollm2-135m --data essays --tokens 8000 --seq-len 1024 --config "$(method)" --bit-budget none --out "$OUT/smollm2-135m/essays-8000"
+      cal --model smollm2-135m --data shakespeare --tokens 8000 --seq-len 1024 --chat-template --config "$(method)" --bit-budget none \
         --out "$OUT/smollm2-135m/shakespeare+chat-8000" ;;
     smollm2-135m-auto)
       need smollm2-135m
       cal --model smollm2-135m --select-from "$OUT/smollm2-135m" --data shakespeare --bit-budget kivi --out "$OUT/$name" ;;
     qwen2.5-coder-0.5b)
-      cal --model qwen2.5-coder-0.5b --data shakespeare --tokens 8192 --out "$OUT/$name" ;;
+      cal --model qwen2.5-coder-0.5b --data shakespeare --tokens 8192 --config "$(method)" --bit-budget none --out "$OUT/$name" ;;
     qwen2.5-coder-0.5b-auto)
       need qwen2.5-coder-0.5b
       cal --model qwen2.5-coder-0.5b --select-from "$OUT/qwen2.5-coder-0.5b" --data shakespeare --bit-budget kivi \
@@ -77,7 +82,7 @@ make_one() {
       cal --model qwen2.5-coder-0.5b --select-from "$OUT/qwen2.5-coder-0.5b" --data shakespeare --bit-budget 2.5 \
         --out "$OUT/$name" ;;
     qwen2.5-coder-1.5b)
-      cal --model qwen2.5-coder-1.5b --data shakespeare --tokens 20000 --out "$OUT/$name" ;;
+      cal --model qwen2.5-coder-1.5b --data shakespeare --tokens 20000 --config "$(method)" --bit-budget none --out "$OUT/$name" ;;
     qwen2.5-coder-1.5b-auto)
       need qwen2.5-coder-1.5b
       cal --model qwen2.5-coder-1.5b --select-from "$OUT/qwen2.5-coder-1.5b" --data shakespeare --bit-budget kivi \
