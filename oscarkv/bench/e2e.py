@@ -221,32 +221,35 @@ def memory(latency_rows: list[dict], model) -> dict | None:
     return out
 
 
+def _pairs(rows: list[dict], first: str, second: str):
+    """``(context, pdl, row of first, row of second)`` for every context and pdl setting both caches ran."""
+    by = {(r["context"], r["kv"], r["pdl"]): r for r in rows}
+    for ctx, pdl in sorted({(k[0], k[2]) for k in by}):
+        x, y = by.get((ctx, first, pdl)), by.get((ctx, second, pdl))
+        if x and y:
+            yield ctx, pdl, x, y
+
+
 def mix_table(rows: list[dict]) -> list[str]:
     """Markdown: per context and pdl setting, the per-layer mix against plain ``oscar``: steps, and the steps
     relative to each cache's own floor (equal bytes: the mix reads more bytes where it holds 4-bit layers)."""
-    by = {(r["context"], r["kv"], r["pdl"]): r for r in rows}
     out = ["| context | pdl | oscar ms | x floor | oscar-mix ms | x floor | mix / oscar | at equal bytes |",
            "|---|---|---|---|---|---|---|---|"]
-    for ctx, pdl in sorted({(k[0], k[2]) for k in by}):
-        o, m = by.get((ctx, "oscar", pdl)), by.get((ctx, "oscar-mix", pdl))
-        if o and m:
-            out.append(f"| {ctx} | {'on' if pdl else 'off'} | {o['step_ms']:.3f} | {o['ratio_to_floor']:.2f} | "
-                       f"{m['step_ms']:.3f} | {m['ratio_to_floor']:.2f} | {m['step_ms'] / o['step_ms']:.2f}x | "
-                       f"{m['ratio_to_floor'] / o['ratio_to_floor']:.2f}x |")
+    for ctx, pdl, o, m in _pairs(rows, "oscar", "oscar-mix"):
+        out.append(f"| {ctx} | {'on' if pdl else 'off'} | {o['step_ms']:.3f} | {o['ratio_to_floor']:.2f} | "
+                   f"{m['step_ms']:.3f} | {m['ratio_to_floor']:.2f} | {m['step_ms'] / o['step_ms']:.2f}x | "
+                   f"{m['ratio_to_floor'] / o['ratio_to_floor']:.2f}x |")
     return out
 
 
 def latency_table(rows: list[dict]) -> list[str]:
     """Markdown: per context and pdl setting, BF16 and OSCAR step / floor / ratio and OSCAR's speed-up."""
-    by = {(r["context"], r["kv"], r["pdl"]): r for r in rows}
     out = ["| context | pdl | BF16 ms | floor | ratio | OSCAR ms | floor | ratio | OSCAR speed-up |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for ctx, pdl in sorted({(k[0], k[2]) for k in by}):
-        b, o = by.get((ctx, "bf16", pdl)), by.get((ctx, "oscar", pdl))
-        if b and o:
-            out.append(f"| {ctx} | {'on' if pdl else 'off'} | {b['step_ms']:.3f} | {b['floor_ms']:.2f} | "
-                       f"{b['ratio_to_floor']:.2f} | {o['step_ms']:.3f} | {o['floor_ms']:.2f} | "
-                       f"{o['ratio_to_floor']:.2f} | {b['step_ms'] / o['step_ms']:.2f}x |")
+    for ctx, pdl, b, o in _pairs(rows, "bf16", "oscar"):
+        out.append(f"| {ctx} | {'on' if pdl else 'off'} | {b['step_ms']:.3f} | {b['floor_ms']:.2f} | "
+                   f"{b['ratio_to_floor']:.2f} | {o['step_ms']:.3f} | {o['floor_ms']:.2f} | "
+                   f"{o['ratio_to_floor']:.2f} | {b['step_ms'] / o['step_ms']:.2f}x |")
     return out
 
 
