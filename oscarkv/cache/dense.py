@@ -12,10 +12,10 @@ import math
 import torch
 from torch import Tensor
 
-from .pages import SlotTable
+from .pages import SlotTable, SlotTableOwner
 
 
-class Paged16Store:
+class Paged16Store(SlotTableOwner):
     """K/V of ``num_layers`` layers in 16-bit pages for ``num_slots`` sequences."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, *, num_slots: int,
@@ -39,22 +39,6 @@ class Paged16Store:
                              f"least {2 * per_page / 2**30:.3f}")
         return cls(num_layers, num_kv_heads, head_dim, page_size, num_slots=num_slots, num_pages=int(num_pages),
                    max_pages=math.ceil(max_len / page_size), dtype=dtype, device=device)
-
-    @property
-    def block_table(self) -> Tensor:
-        return self.table.block_table
-
-    @property
-    def lens(self) -> list[int]:
-        return self.table.lens
-
-    @property
-    def allocator(self):
-        return self.table.allocator
-
-    @property
-    def num_slots(self) -> int:
-        return self.table.num_slots
 
     def pages_for(self, n: int) -> int:
         return math.ceil(n / self.page_size)

@@ -33,7 +33,7 @@ from ..kernels import dispatch
 from ..kernels.layout import PageFormat, QuantPages
 from ..kernels.reference import dequantize_pages_ref, quantize_write_ref
 from .formats import PageGeometry
-from .pages import SlotTable
+from .pages import SlotTable, SlotTableOwner
 from .tiers import TierPolicy
 
 _GROWABLE_START = 16  # first 16-bit capacity of a growable store whose policy never demotes
@@ -80,7 +80,7 @@ def _nbytes(*ts: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-class PagedStore:
+class PagedStore(SlotTableOwner):
     """K/V of ``len(formats)`` layers for ``num_slots`` sequences (see the module docstring).
 
     Args:
@@ -154,22 +154,6 @@ class PagedStore:
                    max_pages=math.ceil(max_len / geometry.page_size), dtype16=dtype16, device=device)
 
     # ------------------------------------------------------------------------------------- slot state
-    @property
-    def block_table(self) -> Tensor:
-        return self.table.block_table
-
-    @property
-    def lens(self) -> list[int]:
-        return self.table.lens
-
-    @property
-    def allocator(self):
-        return self.table.allocator
-
-    @property
-    def num_slots(self) -> int:
-        return self.table.num_slots
-
     @property
     def page_size(self) -> int:
         return self.geo.page_size

@@ -96,4 +96,27 @@ class SlotTable:
         return pages * page_size + (positions % page_size).long()
 
 
-__all__ = ["PageAllocator", "SlotTable"]
+class SlotTableOwner:
+    """What a store built on a :class:`SlotTable` (its ``table``) exposes of it: the block table, the token
+    counts, the allocator and the slot count, always read live (a growable store replaces its block table)."""
+
+    table: SlotTable
+
+    @property
+    def block_table(self) -> Tensor:
+        return self.table.block_table
+
+    @property
+    def lens(self) -> list[int]:
+        return self.table.lens
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.table.allocator
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.num_slots
+
+
+__all__ = ["PageAllocator", "SlotTable", "SlotTableOwner"]
