@@ -22,32 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from oscarkv.bench.harness import provenance
-
-
-def reference_trajectory(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens ``[new_tokens]`` and their next-token log-probs ``[new_tokens, V]`` (float32 model)."""
-    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    logp = torch.stack([F.log_softmax(x[0].float(), -1) for x in out.logits])
-    return out.sequences[0, prompt.shape[1]:], logp
-
-
-def forced_logprobs(model, cache, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Prefill ``prompt`` [1, P] into ``cache`` then feed ``tokens[:-1]`` one at a time: log-probs [n, V]."""
-    rows = [model(prompt, cache=cache).logits[0, -1]]
-    for t in tokens[:-1]:
-        rows.append(model(t.view(1, 1), cache=cache).logits[0, -1])
-    return F.log_softmax(torch.stack(rows).float(), -1)
-
-
-def kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(ref || method) in nats."""
-    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+from oscarkv.eval.metrics import kl_rows as kl
+from oscarkv.eval.trajectory import forced_logprobs, reference_trajectory
 
 
 def cache_bytes(model, handle, ids: torch.Tensor, chunk: int):

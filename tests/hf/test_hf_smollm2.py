@@ -6,8 +6,9 @@ import importlib.util
 import math
 
 import pytest
-import torch
-import torch.nn.functional as F
+
+from oscarkv.eval.metrics import kl_rows as kl
+from oscarkv.eval.trajectory import forced_logprobs, reference_trajectory
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,26 +28,6 @@ def smol():
     text = "\n\n".join(d.text for d in load_corpus("essays", "evaluation").documents[:3])
     ids = tok(text, return_tensors="pt")["input_ids"]
     return model, calib, ids
-
-
-def reference_trajectory(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens ``[new_tokens]`` of the float model and their next-token log-probs ``[new_tokens, V]``."""
-    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, prompt.shape[1]:], torch.stack([F.log_softmax(x[0].float(), -1) for x in out.logits])
-
-
-def forced_logprobs(model, cache, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Prefill ``prompt`` into ``cache``, then feed ``tokens[:-1]`` one at a time: log-probs ``[n, V]``."""
-    rows = [model(prompt, cache=cache).logits[0, -1]]
-    for t in tokens[:-1]:
-        rows.append(model(t.view(1, 1), cache=cache).logits[0, -1])
-    return F.log_softmax(torch.stack(rows).float(), -1)
-
-
-def kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
 
 
 def test_oscar_much_closer_to_float_than_naive_int2(smol):
