@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KVS = ("bf16", "oscar")
-COLORS = {"bf16": "tab:gray", "oscar": "tab:blue"}
-LABELS = {"bf16": "BF16 cache", "oscar": "OSCAR 2-bit cache"}
+KVS = ("bf16", "oscar", "oscar-mix")  # drawn where a result has rows of them; bf16 and oscar are the pair compared
+COLORS = {"bf16": "tab:gray", "oscar": "tab:blue", "oscar-mix": "tab:orange"}
+LABELS = {"bf16": "BF16 cache", "oscar": "OSCAR 2-bit cache", "oscar-mix": "OSCAR per-layer format mix"}
 
 
 def _ms(row: dict) -> float | None:
@@ -49,8 +49,9 @@ def series(res: dict) -> dict:
                                        if r["kv"] == kv and _setting(r) == tv) for kv in KVS},
              "throughput_context": thr[0]["context"] if thr else None, "memory": None}
         mem = entry.get("memory")
-        if isinstance(mem, dict) and all(kv in mem for kv in KVS):
-            s["memory"] = {kv: (mem[kv]["paged_bytes_per_token"], mem[kv]["bytes_per_token_at_ctx"]) for kv in KVS}
+        if isinstance(mem, dict) and all(kv in mem for kv in KVS[:2]):
+            s["memory"] = {kv: (mem[kv]["paged_bytes_per_token"], mem[kv]["bytes_per_token_at_ctx"])
+                           for kv in KVS if kv in mem}
         out[name] = s
     return out
 
@@ -102,7 +103,7 @@ def plot_results(res: dict, folder: str | Path, prefix: str = "e2e") -> list[Pat
                     ax.annotate(f"{t:.0f} tok/s at {b}", (b, t), textcoords="offset points", xytext=(-6, -3),
                                 ha="right", va="top", fontsize=7, color=COLORS[kv])
             ctx = data[m]["throughput_context"]
-            tops = [data[m]["throughput"][kv][-1][1] if data[m]["throughput"][kv] else 0.0 for kv in KVS]
+            tops = [data[m]["throughput"][kv][-1][1] if data[m]["throughput"][kv] else 0.0 for kv in KVS[:2]]
             ratio = f": {tops[1] / tops[0]:.2f}x" if all(tops) else ""
             ax.set(xscale="log", xlabel="sequences decoding (batch)", ylabel="generated tokens / s",
                    title=f"{m}, {ctx // 1024 if ctx else '?'}K context{ratio}")
@@ -117,10 +118,12 @@ def plot_results(res: dict, folder: str | Path, prefix: str = "e2e") -> list[Pat
         fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
         for ax, m in zip(axes[0], models):
             mem = data[m]["memory"]
-            x = range(2)
-            for i, kv in enumerate(KVS):
+            x, kvs = range(2), [kv for kv in KVS if kv in mem]
+            w = 0.76 / len(kvs)
+            for i, kv in enumerate(kvs):
                 vals = [mem[kv][0] / 1024, mem[kv][1] / 1024]
-                bars = ax.bar([j + 0.38 * (i - 0.5) for j in x], vals, width=0.38, color=COLORS[kv], label=LABELS[kv])
+                bars = ax.bar([j + w * (i - (len(kvs) - 1) / 2) for j in x], vals, width=w, color=COLORS[kv],
+                              label=LABELS[kv])
                 for bar, v in zip(bars, vals):
                     ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), textcoords="offset points",
                                 xytext=(0, 2), ha="center", fontsize=7)

@@ -39,6 +39,16 @@ def test_series_sorts_picks_the_on_variant_and_skips_errors():
     assert s["memory"] == {"bf16": (147456.0, 147456.0), "oscar": (20736.0, 21118.5)}
 
 
+def test_series_draws_the_per_layer_mix_where_present():
+    res = _synthetic()
+    res["models"]["m"]["latency"] += [_row("oscar-mix", 131072, 5.4), _row("oscar-mix", 32768, 4.7)]
+    res["models"]["m"]["memory"]["oscar-mix"] = {"paged_bytes_per_token": 22000.0, "bytes_per_token_at_ctx": 22400.0}
+    s = series(res)["m"]
+    assert s["latency"]["oscar-mix"] == [(32768, 4.7, 4.7 / 1.3), (131072, 5.4, 5.4 / 1.3)]
+    assert s["memory"]["oscar-mix"] == (22000.0, 22400.0) and s["throughput"]["oscar-mix"] == []
+    assert series(_synthetic())["m"]["latency"]["oscar-mix"] == []  # results without it: nothing drawn
+
+
 def test_series_of_the_committed_h200_result():
     res = json.loads(RESULT.read_text())
     s = series(res)
