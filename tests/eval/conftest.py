@@ -1,16 +1,9 @@
-import random
-
 import pytest
 
-from eval_standins import FakeQuantBackend, WordTokenizer, tiny_llama
+from eval_standins import FakeQuantBackend, WordTokenizer, random_text, tiny_llama
 from oscarkv.eval.context import EvalContext
 from oscarkv.eval.store import ResultStore
 from oscarkv.eval.texts import EvalText
-
-
-def random_text(n_words: int = 3000, vocab: int = 80, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    return " ".join(f"w{rng.randrange(vocab)}" for _ in range(n_words))
 
 
 @pytest.fixture

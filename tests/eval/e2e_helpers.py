@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import random_text
-from eval_standins import tiny_calibration, tiny_model_folder
+from eval_standins import random_text, tiny_calibration, tiny_model_folder
 
 METHODS = ["bf16", "naive-int2", "quarot-int2", "kivi-2", "int4-hadamard", "oscar", "oscar-auto"]
 TASKS = ["kld", "ppl", "niah", "greedy", "fidelity"]

@@ -4,6 +4,7 @@ copy ("induction") model whose cache is its token history."""
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 from types import SimpleNamespace
 
@@ -39,6 +40,12 @@ class WordTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(self.words[i] if i < len(self.words) else f"<{i}>" for i in ids)
+
+
+def random_text(n_words: int = 3000, vocab: int = 80, seed: int = 0) -> str:
+    """``n_words`` words drawn from ``vocab`` made-up ones ("w0" ...), seeded."""
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(vocab)}" for _ in range(n_words))
 
 
 def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0):

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from eval_standins import WordTokenizer, tiny_llama  # noqa: E402
+from eval_standins import WordTokenizer, random_text, tiny_llama  # noqa: E402
 from oscarkv.artifact import Calibration, ModelIdentity  # noqa: E402
 from oscarkv.config import QuantSpec  # noqa: E402
 from oscarkv.eval.backend import HFBackend  # noqa: E402
@@ -16,7 +16,6 @@ from oscarkv.eval.context import EvalContext  # noqa: E402
 from oscarkv.eval.store import ResultStore  # noqa: E402
 from oscarkv.eval.texts import EvalText  # noqa: E402
 
-from conftest import random_text  # noqa: E402
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from eval_standins import WordTokenizer, tiny_llama  # noqa: E402
+from eval_standins import WordTokenizer, random_text, tiny_llama  # noqa: E402
 from oscarkv.artifact import Calibration, ModelIdentity  # noqa: E402
 from oscarkv.config import QuantSpec  # noqa: E402
 from oscarkv.eval.backend import HFBackend, greedy_generate, greedy_generate_batch  # noqa: E402
@@ -15,7 +15,6 @@ from oscarkv.eval.context import EvalContext  # noqa: E402
 from oscarkv.eval.store import ResultStore  # noqa: E402
 from oscarkv.eval.texts import EvalText  # noqa: E402
 
-from conftest import random_text  # noqa: E402
 
 NIAH_WORDS = ("Some special magic numbers words are hidden within the following text . Make sure to memorize them "
               "I will quiz you about afterwards The for is : Question What ? Answer grass sky sun green blue yellow "
