@@ -404,7 +404,7 @@ __device__ __forceinline__ bool page_reg(const Q2& q, Chunk2 (&buf)[2], State& s
 }
 
 // CPA_: one page of a warp from its shared-memory stage sb (copies complete and visible to the warp); with L2PF_,
-// page pf_page (the one after the page in flight) is asked into L2 before the last chunk.
+// page pf_page (the next one to be copied) is asked into L2 before the last chunk.
 template <bool MASKED>
 __device__ __forceinline__ void page_cpa(Q2& q, State& st, float (&osum)[2], const Params& p, const Bases2& bs,
                                          const uint8_t* sb, uint32_t kr, uint32_t vr, uint32_t mr, int32_t pf_page,
@@ -473,8 +473,10 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
   bs.h = h;
   l2pf_bases(bs, p, h, 4 * gid + tig);
 #if CPA_
-  // this warp's pages pg + k NW, k < npg: page k in stage k % 2; page k + 1 in flight while page k is computed
-  // (one commit group per page, empty groups past the last so that the counts stay uniform)
+  // this warp's pages pg + k NW, k < npg: page k in stage k % 2. Both stages are filled at once (pages 0 and 1),
+  // so a split of few pages never waits for a page it could have asked for earlier; page k + 2 is copied into
+  // page k's stage as soon as page k is computed (one commit group per page, empty groups past the last so that
+  // the counts stay uniform)
   const int npg = (p_end - pg + NW - 1) / NW, lane = 4 * gid + tig;
   CpaLane cl;
   cpa_setup(cl, p, h, lane);
@@ -483,8 +485,9 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
   const uint32_t kr = gid * RBK + tig * BPT, vr = vswz(tig * RBV + gid * BPV), mr = 2 * gid * MSZ;
   cpa_issue(p, cl, sw, bt[pg], lane);
   cp_commit();
-  int32_t id_w = 1 < npg ? bt[pg + NW] : 0;  // the page the next copy is for
-  cp_wait<0>();  // page 0 has landed
+  if (1 < npg) cpa_issue(p, cl, sw + CP_STG, bt[pg + NW], lane);
+  cp_commit();
+  cp_wait<1>();  // page 0 has landed (page 1 may be pending)
   __syncwarp();
   {  // reference V scale (valid rows of the first chunk): keeps p * s_v / v_ref inside float16's normal range
     const int left = hi - pg * PS;
@@ -505,24 +508,24 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
     vref = LS;
   }
 #if CPA_
-  uint32_t rd = 0, wr = CP_STG;               // stage offsets of page k and of page k + 1
+  uint32_t rd = 0;                            // stage offset of page k (page k + 1 in the other stage)
   const int32_t* btn = bt + pg + 2 * NW;      // block-table entry of page k + 2
+  int32_t id_n = 2 < npg ? *btn : 0;          // page k + 2: copied once page k is computed
   int left = hi - pg * PS;                    // tokens of the split from page k on
-  for (int c = npg;; --c) {                   // c = npg - k pages left, this one included
-    if (c >= 2) cpa_issue(p, cl, sw + wr, id_w, lane);  // page k + 1, into the stage page k - 1 left
-    cp_commit();
-    const int32_t id_n = c > 2 ? *btn : 0;  // read a page before it is needed
-    cp_wait<1>();  // page k has landed (only the newest group may be pending)
-    __syncwarp();  // ... for every lane's copies
+  for (int c = npg;; --c) {                   // c = npg - k pages left, this one included; page k has landed
+    const int32_t id_3 = c > 3 ? btn[NW] : 0;  // page k + 3, read a page before it is needed
     if (left >= PS) page_cpa<false>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid, tig, sq);
     else page_cpa<true>(q, st, osum, p, bs, wreg + rd, kr, vr, mr, id_n, left, gid, tig, sq);
-    __syncwarp();  // every lane has read stage rd before the next iteration's copies overwrite it
+    __syncwarp();  // every lane has read stage rd before the copies of page k + 2 overwrite it
     if (c == 1) break;
-    id_w = id_n;
+    if (c > 2) cpa_issue(p, cl, sw + rd, id_n, lane);  // page k + 2, into the stage page k left
+    cp_commit();
+    cp_wait<1>();  // page k + 1 has landed (only the newest group, page k + 2, may be pending)
+    __syncwarp();  // ... for every lane's copies
+    id_n = id_3;
     btn += NW;
     left -= NW * PS;
     rd = CP_STG - rd;
-    wr = CP_STG - wr;
   }
   cp_wait<0>();  // only empty groups can be left; the region then holds the partial outputs
   __syncwarp();
