@@ -9,7 +9,9 @@ deadline and finishes the unit in flight, so every cell on file is complete (all
 window batch, all samples of a NIAH batch). Time left at the end goes to the unfinished steps again, in order.
 Every step's start, end, new units and any error are written to ``<out>/suite.json``; a step that raises on
 the kernel path is run again with the dispatcher's reference (``kernels="reference"``), which every record then
-names as its path. Rerunning the command resumes.
+names as its path. Rerunning the command resumes. The cross-check files its records under the text name
+``code-crosscheck``: its windows are the curve's (same methods, task and context) under another protocol, and a
+results file holds one protocol (the report reads the latest), so sharing the curve's files would hide one of them.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ LONGGEN_METHODS = ["oscar-auto", "kivi-2", "oscar", "bf16"]
 @dataclass(frozen=True)
 class Step:
     """One measurement: a held-out text and a :class:`Plan` (without its deadline), allowed ``share`` of the
-    suite's budget before the next step starts."""
+    suite's budget before the next step starts. ``label``: the text name its results are filed under (default
+    the text's own), for a step that measures another step's units under another protocol."""
 
     name: str
     share: float
     data: str
     plan: dict = field(default_factory=dict)
+    label: str | None = None
 
 
 def long_context_steps(context: int = 32768, prefill_chunk: int = 256, niah_samples: int = 10) -> list[Step]:
@@ -63,7 +67,7 @@ def long_context_steps(context: int = 32768, prefill_chunk: int = 256, niah_samp
                                       **common}),
         Step("crosscheck", 0.05, "code", {"methods": ["oscar-auto", "oscar", "kivi-2"], "tasks": ["kld", "fidelity"],
                                           "contexts": [context], "windows": 1, "path": "simulate",
-                                          "simulate_chunk": prefill_chunk}),
+                                          "simulate_chunk": prefill_chunk}, label="code-crosscheck"),
         Step("niah-rows", 0.15, "code", {"methods": NIAH_ROW_METHODS, "tasks": ["niah"],
                                          "contexts": shorter or [context], "niah_depths": NIAH_DEPTHS,
                                          "niah_variants": NIAH_VARIANTS, "niah_samples": niah_samples, "batch": 50,
@@ -95,11 +99,15 @@ def run_suite(make_context: Callable[[str, str], Any], steps: list[Step], out: s
                 break
             deadline = end if rnd else min(end, now + step.share * budget)
             entry = {"step": step.name, "round": rnd, "data": step.data, "start_s": round(now - start, 1)}
+            if step.label:
+                entry["label"] = step.label
             run["steps"].append(entry)
             save()
             for kernels in ("auto", "reference"):
                 try:
                     ctx = make_context(step.data, kernels)
+                    if step.label:
+                        ctx = _filed_as(ctx, step.label)
                     res = evaluate(ctx, _plan(step, deadline), report=False)
                     entry.update(kernels=kernels, new_units=res["new_units"])
                     break
@@ -117,6 +125,17 @@ def run_suite(make_context: Callable[[str, str], Any], steps: list[Step], out: s
 
 def _plan(step: Step, deadline: float) -> Plan:
     return Plan(**step.plan, deadline=deadline)
+
+
+def _filed_as(ctx: Any, label: str) -> Any:
+    """``ctx`` with its text named ``label`` (same text, same tokens, same fingerprints): its records go to
+    ``<out>/<model>/<label>/...`` and carry ``data: label``."""
+    import dataclasses
+
+    from .texts import EvalText
+
+    text = EvalText(label, ctx.text.text, {**ctx.text.provenance, "text": ctx.text.name})
+    return dataclasses.replace(ctx, text=text)
 
 
 __all__ = ["Step", "long_context_steps", "run_suite"]

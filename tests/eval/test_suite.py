@@ -29,6 +29,7 @@ def test_suite_runs_every_step_and_reports(tmp_path):
     assert units["longgen"] == {"longgen@64": 4 * 8} and units["crosscheck"] == {"lm@256": 3, "fidelity@256": 3}
     md = (out / "summary.md").read_text()
     assert "KLD by position" in md and "long generation" in md and "NIAH" in md
+    assert "on code-crosscheck: fidelity" in md  # the cross-check is filed apart from the curve it checks
     again = [s for s in status["runs"][0]["steps"] if s["round"] == 1]
     assert all(not any(s["new_units"].values()) for s in again)  # the second round had nothing left
 
@@ -52,3 +53,23 @@ def test_time_caps_and_reference_fallback(tmp_path):
     status = run_suite(make_context, steps, tmp_path, budget=0, log=lambda m: None)
     assert status["runs"][-1]["steps"] == [] and time.monotonic() - t0 < 5
     assert len(json.loads((tmp_path / "suite.json").read_text())["runs"]) == 2
+
+
+def test_a_labelled_step_keeps_the_records_of_the_step_it_checks(tiny_context):
+    """The cross-check runs the curve's windows, methods and context under another protocol; filed under the
+    same text name it shared the curve's results files, and the report (which reads a file's latest protocol)
+    showed the cross-check's single window in place of the curve."""
+    from oscarkv.eval.report import write_report
+
+    ctx = tiny_context()
+    plan = {"methods": ["q2"], "tasks": ["kld"], "contexts": [64]}
+    steps = [Step("curve", 0.5, "rand", {**plan, "windows": 2, "path": "cache", "batch": 2}),
+             Step("check", 0.5, "rand", {**plan, "windows": 1, "path": "simulate"}, label="rand-check")]
+    status = run_suite(lambda data, kernels: ctx, steps, ctx.store.root, budget=600, log=lambda m: None)
+    assert [s.get("label") for s in status["runs"][0]["steps"][:2]] == [None, "rand-check"]
+    write_report(ctx.store.root)
+    summary = json.loads((ctx.store.root / "summary.json").read_text())
+    curve, check = summary["tiny|rand|lm|q2|64"], summary["tiny|rand-check|lm|q2|64"]
+    assert curve["units"] == 2 and "simulate" not in curve["paths"]
+    assert check["units"] == 1 and check["paths"] == ["simulate"]
+    assert ctx.text.name == "rand"  # the step's own context was relabelled, not the caller's
