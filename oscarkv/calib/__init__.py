@@ -157,6 +157,10 @@ def calibrate(
     spec = spec or QuantSpec()
     start = time.time()
     ident = check_model(model, spec, name)
+    if spec.bit_budget is not None:
+        from .select import check_budget
+
+        check_budget(spec.bit_budget, ident.head_dim, spec)  # before any forward pass
     stat_chunks, hold_chunks, data_prov = plan_chunks(
         data, tokenizer, tokens=tokens, seq_len=seq_len, seed=seed,
         holdout=holdout if spec.fitted_clip or spec.bit_budget is not None else 0.0, chat_template=chat_template)
@@ -218,9 +222,12 @@ def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, 
     new Calibration with ``layer_formats`` and ``spec.bit_budget`` set."""
     import dataclasses
 
-    from .select import select_formats
+    from .select import check_budget, select_formats
 
     calib.check_model(model)
+    budget = calib.spec.bit_budget if budget is None else budget
+    budget = "kivi" if budget is None else budget
+    check_budget(budget, calib.model.head_dim, calib.spec)  # before the held-out forward pass
     p = calib.provenance
     tokens, seed, seq_len = int(p.get("tokens", 8192)), int(p.get("seed", 0)), int(p.get("seq_len", 1024))
     n_hold = int(p.get("holdout_tokens", 0)) or int(round(tokens * 0.125))
@@ -234,8 +241,6 @@ def select_from(model: Any, tokenizer: Any, calib: Calibration, data: DataLike, 
     model.eval()
     with torch.no_grad(), capture(model, recorder):
         _forward(model, hold_chunks, None)
-    budget = calib.spec.bit_budget if budget is None else budget
-    budget = "kivi" if budget is None else budget
     formats, record = select_formats([acc.held_out for acc in recorder.layers], calib, budget, progress,
                                      quantized_layers=quantized_layers(model))
     names = data_prov.get("chunks")

@@ -60,6 +60,21 @@ def resolve_budget(budget: float | str | None, head_dim: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ round trips
+def check_budget(budget: float | str | None, head_dim: int, spec: QuantSpec) -> float:
+    """The budget :func:`resolve_budget` gives, or ``ValueError`` (one line, with the lowest budget that can be
+    met) where it is below the mean bits of the cheapest key and value candidates at ``head_dim``: checked before
+    any statistics are gathered, so an impossible budget costs no forward pass."""
+    bits = resolve_budget(budget, head_dim)
+    cheapest = [min(f.bits_per_element(head_dim, spec.page_size, spec.group_size) for f in cands)
+                for cands in (KEY_CANDIDATES, VALUE_CANDIDATES)]
+    floor = sum(cheapest) / 2
+    if bits < floor - 1e-9:
+        raise ValueError(f"bit budget {bits:g} is below {floor:.3f} bits/element, the cheapest per-layer formats at "
+                         f"head_dim {head_dim} (2-bit codes plus their 16-bit scales and offsets): give --bit-budget "
+                         f"{floor:g} or more")
+    return bits
+
+
 def _rotation(fmt: TensorFormat, calibrated: Tensor, d: int) -> Tensor | None:
     if fmt.rotation == "calibrated":
         return calibrated
@@ -292,4 +307,4 @@ def select_formats(held: Sequence[Sequence[HeldOut]], calib: Calibration, budget
 
 __all__ = ["KEY_CANDIDATES", "VALUE_CANDIDATES", "Scored", "score_layer", "allocate",
            "select_formats",
-           "default_budget", "resolve_budget", "roundtrips", "chunk_policy"]
+           "default_budget", "resolve_budget", "check_budget", "roundtrips", "chunk_policy"]

@@ -212,3 +212,29 @@ def test_band_errors_equal_a_full_attention_with_the_replaced_tensors(sliding):
                     err_v[h] += float(((att(held.k[h], v) - ref) ** 2).sum())
         torch.testing.assert_close(got_k[j], err_k, rtol=2e-4, atol=1e-6)
         torch.testing.assert_close(got_v[j], err_v, rtol=2e-4, atol=1e-6)
+
+
+def test_impossible_budget_is_refused_before_any_forward_pass():
+    """At head_dim 64 every candidate costs at least 2 + 32/64 bits: 2.25 can never be met. The refusal names the
+    lowest budget that can, and comes before the statistics pass (a model that raises on forward never runs)."""
+    from calib_helpers import VOCAB, tiny_model
+
+    from oscarkv.calib import calibrate
+    from oscarkv.calib.select import check_budget
+
+    spec64 = QuantSpec(page_size=64)
+    assert check_budget(2.5, 64, spec64) == 2.5 and check_budget("kivi", 64, spec64) == default_budget(64)
+    with pytest.raises(ValueError, match=r"below 2\.500 bits/element.*head_dim 64.*--bit-budget 2\.5 or more"):
+        check_budget(2.25, 64, spec64)
+    assert check_budget(2.25, 128, QuantSpec(page_size=128)) == 2.25  # 2 + 32/128: reachable at d = 128
+
+    model = tiny_model("qwen2", layers=2)
+
+    def no_forward(*a, **k):
+        raise AssertionError("the model ran before the budget was checked")
+
+    model.forward = no_forward
+    chunks = [torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    spec = QuantSpec(sink=4, window=16, page_size=16, clip_grid=(1.0, 0.9), bit_budget=2.0)
+    with pytest.raises(ValueError, match="below"):
+        calibrate(model, None, chunks, spec=spec, tokens=288, holdout=0.34, progress=False)
