@@ -7,10 +7,11 @@ block. Semantics, plan and workspace are those of :func:`oscarkv.kernels.decode_
 (the portable twin that the CPU interpreter tests).
 
 How a launch is compiled (all decided here from the call; nothing is configured from outside): the quantized
-tier's loop streams each warp's pages through two cp.async stages in shared memory, except for the 2-bit token
-formats at a few (sequence, KV head) pairs, where a one-chunk register prefetch is faster; at a few pairs either
-loop also asks for pages ahead into L2; both tiers run in one launch up to :data:`FUSED_UNITS` pairs, one launch
-per tier above; ``pdl`` adds the programmatic-dependent-launch waits and signals.
+tier's loop streams each warp's pages through two cp.async stages in shared memory, except for the 2-bit formats
+(keys in token or channel pages) at a few (sequence, KV head) pairs, where a one-chunk register prefetch is
+faster; at a few pairs either loop also asks for pages ahead into L2; both tiers run in one launch up to
+:data:`FUSED_UNITS` pairs, one launch per tier above; ``pdl`` adds the programmatic-dependent-launch waits and
+signals.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("decode.cu", "decode_quant.cuh", "decode_common.cuh")
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _NW = 4  # warps per CTA
-FEW_UNITS = 8  # at most this many (sequence, KV head) pairs: the register-prefetch loop for 2-bit token formats
+FEW_UNITS = 8  # at most this many (sequence, KV head) pairs: the register-prefetch loop for 2-bit formats
 FUSED_UNITS = 64  # at most this many pairs: both tiers in one launch
 _SMEM_LIMIT = 227 * 1024  # shared memory of one CTA on sm_90
 
@@ -53,10 +54,13 @@ def nvcc() -> str | None:
 
 
 def _register_loop(k_fmt: PageFormat, v_fmt: PageFormat, units: int) -> bool:
-    """The register-prefetch loop (with L2 prefetch) serves 2-bit token formats at a few pairs: the register
-    budget holds their chunk buffers (4-bit ones spill there), and one sequence's few warps gain more from the
-    L2 prefetch than from the cp.async stages."""
-    return k_fmt.bits == 2 and v_fmt.bits == 2 and not k_fmt.channel and units <= FEW_UNITS
+    """The register-prefetch loop (with L2 prefetch) serves 2-bit formats at a few pairs: the register budget
+    holds their chunk buffers (4-bit ones spill there), and one sequence's few warps gain more from the L2
+    prefetch than from the cp.async stages, which make a warp of two or three pages wait for a whole page
+    before its first chunk. Channel-page keys read their page's scale and offset rows from global memory there.
+    It also serves 2-bit formats at any count of pairs where the stages would not fit a CTA's shared memory."""
+    two_bit = k_fmt.bits == 2 and v_fmt.bits == 2
+    return two_bit and (units <= FEW_UNITS or sum(_smem(k_fmt, v_fmt, True)) > _SMEM_LIMIT)
 
 
 def _stage_bytes(d: int, ps: int, kb: int, vb: int, kch: bool, msz: int) -> int:
@@ -283,7 +287,7 @@ def _validate(q, k_pages, v_pages, k16, v16, cpa: bool) -> None:
     if why:
         raise ValueError(f"the CUDA decode kernel cannot serve this call: {why}; use backend='triton'")
     if k_pages.fmt.channel and not cpa:
-        raise ValueError("the CUDA decode kernel reads channel-page keys through its cp.async stages: the pools "
+        raise ValueError("the CUDA decode kernel reads channel-page key metadata in 16-byte pieces: the pools "
                          "need 16-byte aligned pages and page strides below 4 GiB; use backend='triton'")
     if any(s % 8 for s in k16.stride()[:3]) or k16.data_ptr() % 16 or v16.data_ptr() % 16:
         raise ValueError("k16/v16 rows must be 16-byte aligned (strides multiple of 8 elements)")

@@ -1,14 +1,15 @@
-"""The CUDA decode kernel's two quantized-tier loops at a few (sequence, KV head) pairs, and token2 against an
-earlier checkout with more interleaved rounds than benchmarks/bench_kernels.py takes (a GPU is needed).
+"""The CUDA decode kernel's two quantized-tier loops for 2-bit formats, and token2 against an earlier checkout with
+more interleaved rounds than benchmarks/bench_kernels.py takes (a GPU is needed).
 
-    python scripts/experiments/decode_loops_probe.py BEFORE_DIR OUT.json
+    python scripts/experiments/decode_loops_probe.py BEFORE_DIR OUT.json [--ab]
 
-BEFORE_DIR holds an earlier checkout's package as ``oscarkv_before`` (as ``bench_kernels.py --before``). Part 1:
-token2/token2 decode, ours against before, six rounds in alternating order, 40 cold-L2 graph replays each (median
-per round). Part 2, batch 1 at 32K and 128K: token2/token2 and channel2/token2 through each loop (``default``: the
-loop ``decode_cuda`` picks; ``cpa_l2`` / ``cpa_nol2``: the cp.async page stages with / without the L2 prefetch,
-forced by replacing ``decode_cuda._register_loop`` and ``FEW_UNITS`` for the call), and with 8 / 16 programs per
-SM. Every configuration is checked against the float64 reference before it is timed.
+BEFORE_DIR holds an earlier checkout's package as ``oscarkv_before`` (as ``bench_kernels.py --before``). With
+``--ab``: token2/token2 decode, ours against before, six rounds in alternating order, 40 cold-L2 graph replays
+each (median per round). Then, at 32K and 128K with batch 1 and 8 (8 and 64 (sequence, KV head) pairs):
+token2/token2 and channel2/token2 through each loop (``default``: the loop ``decode_cuda`` picks; ``reg_l2``: the
+register-prefetch loop with the L2 prefetch; ``cpa_l2`` / ``cpa_nol2``: the cp.async page stages with / without
+it; forced by replacing ``decode_cuda._register_loop`` and ``FEW_UNITS`` for the call), the best of three medians
+of 50 cold-L2 replays. Every configuration is checked against the float64 reference before it is timed.
 """
 import importlib.util
 import json
@@ -67,8 +68,12 @@ def ab(batch, ctx, rounds=6):
 
 def few(name, batch, ctx, mode, pps=None):
     orig_reg, orig_few = dc._register_loop, dc.FEW_UNITS
-    if mode == "cpa_l2":
+    if mode == "reg_l2":  # the register loop with the L2 prefetch, at any count of pairs
+        dc._register_loop = lambda k, v, u: k.bits == 2 and v.bits == 2
+        dc.FEW_UNITS = 1 << 20
+    elif mode == "cpa_l2":
         dc._register_loop = lambda k, v, u: False
+        dc.FEW_UNITS = 1 << 20
     elif mode == "cpa_nol2":
         dc._register_loop = lambda k, v, u: False
         dc.FEW_UNITS = 0
@@ -96,14 +101,13 @@ def few(name, batch, ctx, mode, pps=None):
 
 
 t0 = time.time()
-for b, c in ((64, 131072), (8, 131072), (64, 32768)):
-    ab(b, c)
+if "--ab" in sys.argv:
+    for b, c in ((64, 131072), (8, 131072), (64, 32768)):
+        ab(b, c)
 for ctx in (32768, 131072):
-    for name, mode in (("token2/token2", "default"), ("token2/token2", "cpa_l2"), ("token2/token2", "cpa_nol2"),
-                       ("channel2/token2", "default"), ("channel2/token2", "cpa_nol2")):
-        few(name, 1, ctx, mode)
-    for pps in (8, 16):
-        few("channel2/token2", 1, ctx, "default", pps)
-        few("token2/token2", 1, ctx, "default", pps)
+    for batch in (1, 8):
+        for name in ("token2/token2", "channel2/token2"):
+            for mode in ("default", "reg_l2", "cpa_l2", "cpa_nol2"):
+                few(name, batch, ctx, mode)
 print(f"probe took {time.time() - t0:.0f} s")
 Path(sys.argv[2]).write_text(json.dumps(res, indent=1))

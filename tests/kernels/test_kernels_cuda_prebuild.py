@@ -49,13 +49,13 @@ def test_prebuild_builds_what_the_launcher_loads(no_gpu, pdl, fmt):
         dc.decode_attention_cuda(q, kp, vp, bt, qlen, k16, v16, len16, plan=plan, pdl=pdl)
     paths = dc.prebuild(kp.fmt, hkv * g, torch.bfloat16, torch.bfloat16, max_batch, v_fmt=vp.fmt, pdl=pdl)
     assert set(built) == set(loaded), (set(loaded) - set(built), set(built) - set(loaded))
-    # one sequence's few pairs (2-bit token formats: the register loop, others the stage loop, both with the L2
-    # prefetch), more pairs fused (the stage loop), and per tier x2
+    # one sequence's few pairs (2-bit formats, token or channel keys: the register loop, others the stage loop,
+    # both with the L2 prefetch), more pairs fused (the stage loop), and per tier x2
     assert len(built) == len(set(built)) == len(paths) == 4
     parts = sorted(dict(k)["PART_"] for k in built)
     assert parts == [0, 0, 1, 2]
     few = [dict(k) for k in built if dict(k)["L2PF_"]]
-    assert len(few) == 1 and few[0]["CPA_"] == int((kb, lay, vb) != (2, "token", 2))
+    assert len(few) == 1 and few[0]["CPA_"] == int((kb, vb) != (2, 2))
     assert all(dict(k)["KB_"] == kb and dict(k)["VB_"] == vb and dict(k)["KCH_"] == (lay == "channel")
                for k in built)
 

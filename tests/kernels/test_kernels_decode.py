@@ -67,7 +67,8 @@ def _gpu_cases():
     g = torch.Generator().manual_seed(1)
     cases = []
     for B, hkv, grp, d, ps in ((1, 8, 4, 128, 64), (5, 8, 1, 64, 64), (13, 8, 8, 128, 64), (3, 4, 8, 256, 64),
-                               (97, 2, 4, 128, 64), (7, 8, 4, 128, 16), (6, 8, 4, 128, 48), (4, 8, 4, 64, 128)):
+                               (97, 2, 4, 128, 64), (7, 8, 4, 128, 16), (6, 8, 4, 128, 48), (4, 8, 4, 64, 128),
+                               (1, 2, 7, 64, 32)):
         lens = torch.randint(0, 3000, (B,), generator=g).tolist()
         lens[0] = 2113  # a partially filled last page
         lens16 = torch.randint(0, 320, (B,), generator=g).tolist()
@@ -76,7 +77,7 @@ def _gpu_cases():
 
 
 GPU_CASES = _gpu_cases() if GPU else []
-_IDS = ["b1h8g4d128", "b5g1d64", "b13g8", "b3g8d256", "b97h2", "ps16", "ps48", "ps128d64"]
+_IDS = ["b1h8g4d128", "b5g1d64", "b13g8", "b3g8d256", "b97h2", "ps16", "ps48", "ps128d64", "b1h2g7d64ps32"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
@@ -110,7 +111,7 @@ def test_cuda_decode_every_format(fmt, ci):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_cuda_decode_in_cuda_graph_sees_new_lengths(fmt, pdl):
     """Captured once, replayed after the lengths change on the device (one sequence's few pairs: the
-    register loop for 2-bit token formats; four: the cp.async loop); the output is the reference's."""
+    register loop for 2-bit formats; four: the cp.async loop); the output is the reference's."""
     from oscarkv.kernels.decode_cuda import decode_attention_cuda
 
     for B, lens, lens16, new, new16 in ((1, [2900], [100], [1500], [300]),

@@ -89,7 +89,6 @@ static_assert((KB == 2 || KB == 4) && (VB == 2 || VB == 4), "2- or 4-bit codes")
 static_assert(GQ >= 1 && GQ <= 8, "at most 8 query heads per KV head");
 static_assert(PS % 16 == 0, "page size must be a multiple of 16");
 static_assert(KS == (8 / KB) * WPT && KS == (8 / VB) * VH, "fields x words cover the k-steps");
-static_assert(!KCH || CPA_, "channel-page keys need the cp.async stages (CPA_)");
 static_assert(!EARLY_ || L2PF_, "EARLY_ needs L2PF_ (its per-lane page prefetch)");
 
 struct Params {  // every field 8 bytes: the ctypes mirror in decode_cuda.py is trivial

@@ -39,12 +39,12 @@ __device__ __forceinline__ constexpr int d_of_v2(int mt, int gid, int r) {
   return gid * BPV + 2 * (mt % VH) + r + RBV * (mt / VH);
 }
 
-// ---- register-prefetch loop (CPA_ = 0; token-page keys)
+// ---- register-prefetch loop (CPA_ = 0; 2-bit formats at a few pairs)
 // Per-thread offsets of one (sequence, KV head) from the pools' base pointers, the lane's fixed part folded in
 // (bytes for codes, elements for metadata); the base pointers themselves stay in the constant bank.
 struct Bases2 {
   int64_t k, v, m;  // m: key metadata; the value metadata's head offset differs by h (s_vmh - s_kmh)
-  int h;
+  int h;            // channel-page keys: m is the head's row start (read whole by channel_q), without 2 gid
 #if L2PF_
   const uint8_t *pfc, *pfm;  // this lane's L2 prefetch lines of page 0 (codes, metadata)
 #endif
@@ -112,7 +112,9 @@ struct PagePtrs {
 
 __device__ __forceinline__ PagePtrs page_ptrs(const Params& p, const Bases2& bs, int32_t page) {
   const int64_t mk = bs.m + (int64_t)page * p.s_kmp;
-  const int64_t mv = bs.m + (int64_t)bs.h * (p.s_vmh - p.s_kmh) + (int64_t)page * p.s_vmp;
+  // the value rows' lane part (2 gid) is recomputed for channel-page keys: a register less than keeping it
+  const int64_t mv = bs.m + (KCH_ ? 2 * (int)((threadIdx.x & 31) >> 2) : 0) + (int64_t)bs.h * (p.s_vmh - p.s_kmh) +
+                     (int64_t)page * p.s_vmp;
   return {reinterpret_cast<const uint8_t*>(p.kc) + bs.k + (int64_t)page * p.s_kcp,
           reinterpret_cast<const uint8_t*>(p.vc) + bs.v + (int64_t)page * p.s_vcp,
           reinterpret_cast<const meta_t*>(p.ks) + mk, reinterpret_cast<const meta_t*>(p.ko) + mk,
@@ -253,18 +255,19 @@ __device__ __forceinline__ void load_chunk_smem(Chunk2& c, const uint8_t* sk, co
 }
 
 // Channel-page keys: the page's Q' fragments (q' s_c / (2^KB)^j in float16) and sum_c q'_c o_c from its scale and
-// offset rows in the stage (smeta: the stage's metadata part) and this thread's head row of the prescaled query
-// (sq: float32, in shared memory). The d index of (k-step s, half hi2, element e) is d_of_k2: per field j the
-// thread's BPT channels are contiguous.
-__device__ __forceinline__ void channel_q(Q2& q, const uint8_t* smeta, const float* sq, int tig) {
+// offset rows (srow, orow: channel 0 of this head's rows, in a cp.async stage or in global memory; 16-byte
+// aligned) and this thread's head row of the prescaled query (sq: float32, in shared memory). The d index of
+// (k-step s, half hi2, element e) is d_of_k2: per field j the thread's BPT channels are contiguous.
+__device__ __forceinline__ void channel_q(Q2& q, const uint8_t* srow, const uint8_t* orow, const float* sq,
+                                          int tig) {
   constexpr int MW = BPT * MSZ / 4;  // 32-bit words of BPT metadata values
   float part = 0.f;
 #pragma unroll
   for (int j = 0; j < 8 / KB; ++j) {
     const int d0 = tig * BPT + RBK * j;
     uint32_t sw[MW], ow[MW];
-    ld_bytes<BPT * MSZ>(sw, smeta + M_KS + d0 * MSZ);
-    ld_bytes<BPT * MSZ>(ow, smeta + M_KO + d0 * MSZ);
+    ld_bytes<BPT * MSZ>(sw, srow + d0 * MSZ);
+    ld_bytes<BPT * MSZ>(ow, orow + d0 * MSZ);
     float qv[BPT];
 #pragma unroll
     for (int k = 0; k < BPT / 4; ++k) {
@@ -389,10 +392,14 @@ __device__ __forceinline__ void page_chunks(const Q2& q, Chunk2 (&buf)[2], State
 }
 
 // One page of a warp (its first chunk in buf[START]); advances pp/pg to the warp's next page, false when none.
+// Channel-page keys: the page's Q' first, from its metadata rows in global memory (asked into L2 a page ahead).
 template <int START>
-__device__ __forceinline__ bool page_reg(const Q2& q, Chunk2 (&buf)[2], State& st, float (&osum)[2],
-                                         const Params& p, const Bases2& bs, const int32_t* bt, PagePtrs& pp, int& pg,
-                                         int p_end, int hi, int gid) {
+__device__ __forceinline__ bool page_reg(Q2& q, Chunk2 (&buf)[2], State& st, float (&osum)[2], const Params& p,
+                                         const Bases2& bs, const int32_t* bt, PagePtrs& pp, int& pg, int p_end,
+                                         int hi, int gid, int tig, const float* sq) {
+#if KCH_
+  channel_q(q, reinterpret_cast<const uint8_t*>(pp.ks), reinterpret_cast<const uint8_t*>(pp.ko), sq, tig);
+#endif
   const int pg_next = pg + NW;
   const bool has_next = pg_next < p_end;
   const int page_next = has_next ? bt[pg_next] : 0;
@@ -410,7 +417,7 @@ __device__ __forceinline__ void page_cpa(Q2& q, State& st, float (&osum)[2], con
                                          const uint8_t* sb, uint32_t kr, uint32_t vr, uint32_t mr, int32_t pf_page,
                                          int left, int gid, int tig, const float* sq) {
 #if KCH_
-  channel_q(q, sb + CP_MOFF, sq, tig);
+  channel_q(q, sb + CP_MOFF + M_KS, sb + CP_MOFF + M_KO, sq, tig);
 #endif
 #pragma unroll
   for (int ch = 0; ch < CPP; ++ch) {
@@ -469,7 +476,7 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
   Bases2 bs;
   bs.k = h * p.s_kch + 2 * gid * RBK + tig * BPT;
   bs.v = h * p.s_vch + 4 * tig * RBV + gid * BPV;
-  bs.m = h * p.s_kmh + 2 * gid;
+  bs.m = h * p.s_kmh + (KCH_ ? 0 : 2 * gid);
   bs.h = h;
   l2pf_bases(bs, p, h, 4 * gid + tig);
 #if CPA_
@@ -531,9 +538,9 @@ __device__ void run_quant(const Params& p, State& st, float (&osum)[2], float& v
   __syncwarp();
 #else
   while (true) {  // CPP odd: a chunk's buffer alternates between pages, so pages go in pairs
-    if (!page_reg<0>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
+    if (!page_reg<0>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid, tig, sq)) break;
     if constexpr (CPP % 2 == 1) {
-      if (!page_reg<1>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid)) break;
+      if (!page_reg<1>(q, buf, st, osum, p, bs, bt, pp, pg, p_end, hi, gid, tig, sq)) break;
     }
   }
 #endif
