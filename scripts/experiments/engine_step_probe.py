@@ -7,7 +7,8 @@ BEFORE_DIR holds the earlier checkout's package as ``oscarkv``; the script uses 
 (``LLM(...)``, ``submit``, ``step``, ``gauges``, ``Calibration.identity``), so the two are timed by one timer:
 each ``LLM.step()`` (scheduling, the captured decode graph, sampling, bookkeeping) between CUDA events, after
 writing a 256 MiB buffer so that no step finds the previous one's data in L2; the median of ``--steps``.
-Random-weight Qwen3-8B shape, a random prompt of ``context - 128`` tokens prefilled for real, identity
+``oscar-mix``: the per-layer mix of ``oscarkv bench`` (every format, cycled over the layers). Random-weight
+Qwen3-8B shape, a random prompt of ``context - 128`` tokens prefilled for real, identity
 calibration for the OSCAR cache (rotations do not change a step's cost). Before timing, greedy tokens of the
 decoded steps are recorded so that two trees' outputs can be compared. Appends one JSON line per cache to OUT.
 """
@@ -42,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--caches", default="bf16,oscar")
+    ap.add_argument("--caches", default="bf16,oscar", help="bf16, oscar, oscar-mix (this checkout only)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--budget-gb", type=float, default=24.0)
     ap.add_argument("--tag", default="after")
@@ -52,8 +53,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context - 128,), generator=g).tolist()
     for kv in args.caches.split(","):
-        llm = LLM(model, None if kv == "bf16" else identity(model.cfg), kv=kv, kv_budget_gb=args.budget_gb,
-                  max_num_seqs=1, max_model_len=args.context + 64, monitor_every=0, gemv="auto", pdl=True)
+        calib, extra = (None, {}) if kv == "bf16" else (identity(model.cfg), {})
+        if kv == "oscar-mix":  # this checkout only: every per-layer format, cycled over the layers
+            from oscarkv.bench.e2e import MIX
+
+            calib.layer_formats = [MIX[i % len(MIX)] for i in range(model.cfg.num_layers)]
+            kv, extra = "oscar", {"method": "oscar-auto"}
+        llm = LLM(model, calib, kv=kv, kv_budget_gb=args.budget_gb, max_num_seqs=1, max_model_len=args.context + 64,
+                  monitor_every=0, gemv="auto", pdl=True, **extra)
+        kv = "oscar-mix" if extra else kv
         seq = llm.submit(prompt, SamplingParams(max_tokens=args.steps + 16, ignore_eos=True))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
