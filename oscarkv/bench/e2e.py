@@ -1,20 +1,26 @@
 """End-to-end engine benchmarks through the engine's public API (``LLM``, ``submit``, ``step``, ``gauges``):
-batch-1 decode step against context (with its physical floor), decode throughput under one KV budget, and KV
-bytes per token, on random-weight models (:data:`oscarkv.engine.PRESETS`).
+batch-1 decode step against context (with its physical floor), the equal-batch table (BF16 against OSCAR at the
+same batch and context), decode throughput under one KV budget, and KV bytes per token, on random-weight models
+(:data:`oscarkv.engine.PRESETS`).
 
-Prompts of random token ids (``HEADROOM`` tokens short of the context) are prefilled for real, one prompt per
-step (``prefill_chunk`` = the prompt), so a sequence that already decodes gains one token per later prompt; then
-decode steps are timed with :class:`~oscarkv.bench.harness.Timer`: one ``LLM.step()`` each (scheduling,
-sampling, demotions and host work included), every sequence decoding, median over ``steps``. Physical floor =
-(weight bytes + KV bytes in use) / ``PEAK_BW``.
+Latency and throughput: prompts of random token ids (``HEADROOM`` tokens short of the context) are prefilled for
+real, one prompt per step (``prefill_chunk`` = the prompt), so a sequence that already decodes gains one token per
+later prompt. The equal-batch table seeds its caches instead (:func:`seed`: pages reserved and counted, no
+prefill), because prefilling 16 sequences of 128K tokens would take minutes per cell; a decode step reads the same
+bytes either way, and the table repeats the latency suite's batch-1 rows as a check. Decode steps are then timed
+as a user sees them: ``steps`` consecutive ``LLM.step()`` calls (scheduling, sampling, demotions and host work
+included; the engine launches each step before it reads the previous one's tokens), wall time per step, next to
+one replay of the step's CUDA graph. Physical floor = (weight bytes + KV bytes in use) / the GPU's peak
+bandwidth (:func:`peak_bandwidth`).
 
-Everything that depends on how the engine is configured sits in :func:`make_llm` and
+Everything that depends on how the engine is configured sits in :func:`make_llm`, :func:`seed` and
 :func:`pages_per_sequence`.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Callable
 
@@ -22,9 +28,15 @@ import torch
 
 from .harness import CorrectnessError, Timer
 
-PEAK_BW = 4.7e12  # H200 HBM3e read bandwidth, bytes/s
+PEAK_BW = {"H200": 4.7e12, "H100": 3.35e12}  # HBM read bandwidth, bytes/s (H100: the SXM part's nominal figure)
 HEADROOM = 128  # prompt tokens short of the context: room for the tokens decoded while others prefill and timed
 WARMUP_STEPS = 2  # the first decode step of a batch size captures its CUDA graph
+
+
+def peak_bandwidth() -> float:
+    """The peak memory bandwidth of the current GPU (bytes/s) for the floors; H200's where the name is unknown."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((bw for key, bw in PEAK_BW.items() if key in name), PEAK_BW["H200"])
 
 
 # ------------------------------------------------------------------------------- engine coupling
@@ -104,19 +116,62 @@ def prefill(llm, n_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0) -
     return {"running": running, "prefill_s": time.perf_counter() - t0, "seqs": seqs}
 
 
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
+def seed(llm, n_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0) -> dict:
+    """Submit ``n_seqs`` random prompts and mark each admitted one's cache as holding its prompt but the last
+    token, without computing it (pages reserved, token counts and 2-bit tier sizes as after a prefill; contents
+    as allocated): its next decode step reads exactly the bytes of a prefilled cache of that length. Returns
+    ``running`` and the sequences."""
+    from oscarkv.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [llm.submit(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params) for _ in range(n_seqs)]
+    eng = llm.engine
+    eng.scheduler.admit()
+    for seq in eng.running:
+        llm.store.commit(seq.slot, prompt_len - 1)
+        seq.n_cached, seq.in_prefill = prompt_len - 1, False
+        eng.runner.set_next_token(seq.slot, seq.prompt[-1])
+    _sync()
+    return {"running": len(eng.running), "seqs": seqs}
+
+
 def time_steps(llm, timer: Timer, steps: int) -> dict:
-    """Median ``LLM.step()`` over ``steps`` decode steps of the running batch (which must stay the same)."""
+    """``steps`` consecutive ``LLM.step()`` calls of the running batch (which must stay the same): wall time per
+    step (median of the intervals between returns, and the mean over the run: the inter-token time a user
+    sees), and the median replay of the step's CUDA graph alone (``replay_ms``; cold L2)."""
     before = int(llm.gauges()["running_requests"])
-    t = timer(llm.step, reps=steps, warmup=WARMUP_STEPS)
+    for _ in range(WARMUP_STEPS):
+        llm.step()
+    _sync()
+    marks = [time.perf_counter()]
+    for _ in range(steps):
+        llm.step()
+        marks.append(time.perf_counter())
+    _sync()
+    end = time.perf_counter()
     after = llm.gauges()
     if int(after["running_requests"]) != before or int(after["waiting_requests"]):
         raise RuntimeError(f"the batch changed while timed ({before} -> {int(after['running_requests'])} running)")
-    return {"step_ms": t.median_ms, "step_min_ms": t.min_ms, "step_max_ms": t.max_ms, "steps": steps}
+    gaps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    out = {"step_ms": statistics.median(gaps), "step_mean_ms": (end - marks[0]) * 1e3 / steps,
+           "step_min_ms": min(gaps), "step_max_ms": max(gaps), "steps": steps}
+    graphs = llm.engine.graphs
+    bs = llm.engine.runner.batch_size(before)
+    if bs in graphs:  # replays recompute the last launched step: same inputs, same rows written
+        out["replay_ms"] = timer(graphs[bs][0].replay, reps=steps, warmup=1).median_ms
+        out["step_to_replay"] = out["step_ms"] / out["replay_ms"]
+    return out
 
 
 def _check_context(ctx: int) -> None:
@@ -151,9 +206,10 @@ def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[
                                pdl=pdl, prefill_chunk=ctx - HEADROOM)
                 pre = prefill(llm, 1, ctx - HEADROOM, max_tokens)
                 r = time_steps(llm, timer, steps)
+                r["tokens"] = list(pre["seqs"][0].out[:16])  # greedy: equal across engine versions on one GPU
                 g, wbytes = llm.gauges(), model.weight_bytes()  # after the OSCAR fold (an o_proj bias for the means)
                 kv_bytes = g["kv_pool_used_bytes"]
-                floor = (wbytes + kv_bytes) / PEAK_BW * 1e3
+                floor = (wbytes + kv_bytes) / peak_bandwidth() * 1e3
                 r.update(kv=kv, context=ctx, pdl=pdl, prefill_s=pre["prefill_s"], floor_ms=floor,
                          ratio_to_floor=r["step_ms"] / floor, kv_bytes_read=kv_bytes, weight_bytes=wbytes,
                          kv_bits_per_element=g["kv_bits_per_element"],
@@ -204,6 +260,68 @@ def throughput(model, ctx: int, budget_gb: float, timer: Timer, steps: int, log:
     return rows
 
 
+def _pool_gb(model, kv: str, n: int, ctx: int) -> float:
+    """A KV budget that holds ``n`` sequences of ``ctx`` tokens in a ``kv`` pool (16-bit tiers included)."""
+    bf16 = n * ctx * bf16_bytes_per_token(model) / 2**30
+    return 1.02 * bf16 + 0.05 if kv == "bf16" else bf16 / 4 + 0.25
+
+
+def equal_batch(model, contexts: list[int], batches: list[int], timer: Timer, steps: int,
+                log: Callable[[str], None], *, gemv: str = "auto", pdl: bool = True,
+                caches: tuple[str, ...] = ("bf16", "oscar")) -> list[dict]:
+    """Per context, batch and cache, the decode step of ``batch`` sequences of ``context`` tokens (caches seeded,
+    :func:`seed`) and its floor. A pool that does not fit the GPU's free memory is recorded as such, not run."""
+    rows = []
+    for ctx in contexts:
+        _check_context(ctx)
+        for bs in batches:
+            for kv in caches:
+                budget = _pool_gb(model, kv, bs, ctx)
+                free = torch.cuda.mem_get_info()[0] / 2**30 if _on_cuda(model) else float("inf")
+                row = {"kv": kv, "context": ctx, "batch": bs, "budget_gb": budget}
+                if budget > free - 4:  # room for activations, graphs and the decode workspace
+                    row.update(fits=False, free_gb=free)
+                    rows.append(row)
+                    log(f"  equal-batch {kv:9s} ctx {ctx:>6d} batch {bs:>3d}: does not fit ({budget:.1f} GiB of KV, "
+                        f"{free:.1f} free)")
+                    continue
+                llm = make_llm(model, kv, max_num_seqs=bs, max_model_len=ctx, kv_budget_gb=budget, gemv=gemv,
+                               pdl=pdl)
+                pre = seed(llm, bs, ctx - HEADROOM, _max_tokens(steps, 1))
+                if pre["running"] != bs:
+                    raise RuntimeError(f"{kv}: {pre['running']} of {bs} sequences fit a {budget:.1f} GiB pool")
+                r = time_steps(llm, timer, steps)
+                kv_bytes = llm.gauges()["kv_pool_used_bytes"]
+                floor = (model.weight_bytes() + kv_bytes) / peak_bandwidth() * 1e3
+                row.update(r, fits=True, floor_ms=floor, ratio_to_floor=r["step_ms"] / floor, kv_bytes_read=kv_bytes,
+                           tokens_per_s=bs / r["step_ms"] * 1e3)
+                rows.append(row)
+                log(f"  equal-batch {kv:9s} ctx {ctx:>6d} batch {bs:>3d}: {r['step_ms']:.3f} ms (replay "
+                    f"{r.get('replay_ms', float('nan')):.3f}, floor {floor:.3f})")
+                release(llm)
+    return rows
+
+
+def equal_batch_table(rows: list[dict]) -> list[str]:
+    """Markdown: per context and batch, BF16 and OSCAR steps, floors and OSCAR's speed-up (the floors' ratio is
+    the bound)."""
+    by = {(r["context"], r["batch"], r["kv"]): r for r in rows}
+    out = ["| context | batch | BF16 ms | floor | OSCAR ms | replay | floor | OSCAR speed-up | bound (floors) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for ctx, bs in sorted({(c, b) for c, b, _ in by}):
+        b, o = by.get((ctx, bs, "bf16")), by.get((ctx, bs, "oscar"))
+        if not o or not o.get("fits"):
+            continue
+        if b and b.get("fits"):
+            cells = (f"{b['step_ms']:.3f} | {b['floor_ms']:.2f}", f"{b['step_ms'] / o['step_ms']:.2f}x",
+                     f"{b['floor_ms'] / o['floor_ms']:.2f}x")
+        else:
+            cells = ("does not fit | —", "—", "—")
+        out.append(f"| {ctx} | {bs} | {cells[0]} | {o['step_ms']:.3f} | {o.get('replay_ms', float('nan')):.3f} | "
+                   f"{o['floor_ms']:.2f} | {cells[1]} | {cells[2]} |")
+    return out
+
+
 def memory(latency_rows: list[dict], model) -> dict | None:
     """KV bytes per token at the longest context both caches ran: the paged tier alone, and per sequence with
     its 16-bit tiers (from the pools' own gauges)."""
@@ -243,13 +361,15 @@ def mix_table(rows: list[dict]) -> list[str]:
 
 
 def latency_table(rows: list[dict]) -> list[str]:
-    """Markdown: per context and pdl setting, BF16 and OSCAR step / floor / ratio and OSCAR's speed-up."""
-    out = ["| context | pdl | BF16 ms | floor | ratio | OSCAR ms | floor | ratio | OSCAR speed-up |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: per context and pdl setting, BF16 and OSCAR engine step / graph replay / floor and OSCAR's
+    speed-up (of the engine steps)."""
+    out = ["| context | pdl | BF16 step ms | replay | floor | OSCAR step ms | replay | floor | step / replay | "
+           "OSCAR speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for ctx, pdl, b, o in _pairs(rows, "bf16", "oscar"):
-        out.append(f"| {ctx} | {'on' if pdl else 'off'} | {b['step_ms']:.3f} | {b['floor_ms']:.2f} | "
-                   f"{b['ratio_to_floor']:.2f} | {o['step_ms']:.3f} | {o['floor_ms']:.2f} | "
-                   f"{o['ratio_to_floor']:.2f} | {b['step_ms'] / o['step_ms']:.2f}x |")
+        out.append(f"| {ctx} | {'on' if pdl else 'off'} | {b['step_ms']:.3f} | {b.get('replay_ms', nan):.3f} | "
+                   f"{b['floor_ms']:.2f} | {o['step_ms']:.3f} | {o.get('replay_ms', nan):.3f} | {o['floor_ms']:.2f} | "
+                   f"{o.get('step_to_replay', nan):.3f} | {b['step_ms'] / o['step_ms']:.2f}x |")
     return out
 
 
@@ -305,5 +425,6 @@ def check_engine(device: str, log: Callable[[str], None], min_match: float = 0.9
     return res
 
 
-__all__ = ["PEAK_BW", "make_llm", "pages_per_sequence", "prefill", "time_steps", "latency", "throughput", "memory",
+__all__ = ["PEAK_BW", "peak_bandwidth", "make_llm", "pages_per_sequence", "prefill", "seed", "time_steps", "latency",
+           "equal_batch", "equal_batch_table", "throughput", "memory",
            "fit_batch", "latency_table", "check_engine"]

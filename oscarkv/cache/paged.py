@@ -271,8 +271,9 @@ class PagedStore(SlotTableOwner):
         ``[q0, q1)``, every layer, through the demote op."""
         S, dev = self.policy.sink, self.device
         observe = self.monitor is not None and self.monitor.sample()
-        seq = torch.cat([torch.full((q1 - q0,), s, dtype=torch.long) for s, q0, q1 in due]).to(dev)
-        src = torch.cat([torch.arange(S, S + q1 - q0) for _, q0, q1 in due]).to(dev)
+        # non-blocking: a blocking copy would wait for the decode step still running on the device
+        seq = torch.cat([torch.full((q1 - q0,), s, dtype=torch.long) for s, q0, q1 in due]).to(dev, non_blocking=True)
+        src = torch.cat([torch.arange(S, S + q1 - q0) for _, q0, q1 in due]).to(dev, non_blocking=True)
         dst = torch.cat([self.table.slots_of(s, torch.arange(q0, q1, device=dev), self.page_size) for s, q0, q1 in due])
         for layer, fmt in enumerate(self.formats):
             if fmt is None:

@@ -72,7 +72,9 @@ class SlotTable:
         if first + len(pages) > self.max_pages:
             raise ValueError(f"slot {slot} would hold {first + len(pages)} pages; the block table holds "
                              f"{self.max_pages} (max_model_len)")
-        self.block_table[slot, first:first + len(pages)] = torch.tensor(pages, dtype=torch.int32).to(self.device)
+        # non-blocking (stream-ordered): the host need not wait for a step still running on the device
+        self.block_table[slot, first:first + len(pages)] = torch.tensor(pages, dtype=torch.int32).to(
+            self.device, non_blocking=True)
         self.pages[slot] += pages
 
     def release(self, slot: int) -> None:

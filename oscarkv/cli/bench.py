@@ -1,5 +1,6 @@
 """``oscarkv bench``: end-to-end engine benchmarks on a CUDA GPU (:mod:`oscarkv.bench.e2e`): batch-1 decode step
-against context with its floor, throughput under one KV budget, KV bytes per token, on random-weight
+against context with its floor, BF16 against OSCAR at equal batches, throughput under one KV budget, KV bytes
+per token, on random-weight
 Qwen3-8B/4B-shaped models. The engine is checked against transformers (and OSCAR on the GPU against the CPU
 reference path) first; if that fails nothing is timed and the command exits 1. Writes JSON with provenance
 and PNG plots next to it; ``--plot JSON`` redraws an earlier result's plots without a GPU."""
@@ -11,7 +12,7 @@ import json
 import traceback
 from pathlib import Path
 
-SUITES = ("memory", "latency", "throughput")
+SUITES = ("memory", "latency", "batches", "throughput")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="32768,102400,131072", help="latency suite contexts")
     p.add_argument("--latency-models", default=None,
                    help="presets that run every context (default: the first; the others run 32K and 100K)")
+    p.add_argument("--batches", default="1,4,8,16", help="batches of the equal-batch suite (batches)")
+    p.add_argument("--batch-contexts", default="32768,102400,131072", help="contexts of the equal-batch suite")
     p.add_argument("--throughput-context", type=int, default=131072)
     p.add_argument("--budget-gb", type=float, default=90.0, help="KV budget of the throughput suite (GiB)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per row (median reported)")
@@ -88,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--caches: one or more of {', '.join(e2e.CACHES)}, got {args.caches!r}")
     pdls = args.pdl if isinstance(args.pdl, tuple) else parse_pdl(str(args.pdl))
     res: dict = {"provenance": provenance(args.git_sha), "gemv": args.gemv, "max_model_len": args.max_model_len,
-                 "pdl": ["on" if p else "off" for p in pdls], "peak_bw": e2e.PEAK_BW, "steps": args.steps,
-                 "note": "random weights; random-token prompts prefilled; decode step = one LLM.step() with every "
-                         "sequence decoding, median", "models": {}}
+                 "pdl": ["on" if p else "off" for p in pdls], "peak_bw": e2e.peak_bandwidth(), "steps": args.steps,
+                 "device": torch.cuda.get_device_name(),
+                 "note": "random weights; latency and throughput: random-token prompts prefilled; batches: caches "
+                         "seeded (oscarkv.bench.e2e.seed); decode step = wall time per LLM.step() over consecutive "
+                         "steps with every sequence decoding (median), replay = the step's CUDA graph alone",
+                 "models": {}}
     out = Path(args.out)
     save = lambda: out.write_text(json.dumps(res, indent=1) + "\n")  # noqa: E731  (partial results survive a cut)
     try:
@@ -119,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
                     log("\n".join(entry["mix_table"]))
                 entry["memory"] = e2e.memory(entry["latency"], model)
                 log("\n".join(entry["latency_table"]))
+                save()
+            if name in full and "batches" in suites:
+                entry["batches"] = e2e.equal_batch(model, [int(c) for c in args.batch_contexts.split(",")],
+                                                   [int(b) for b in args.batches.split(",")], timer, args.steps, log,
+                                                   gemv=args.gemv, pdl=pdls[-1])
+                entry["batches_table"] = e2e.equal_batch_table(entry["batches"])
+                log("\n".join(entry["batches_table"]))
                 save()
             if name in full and "throughput" in suites:
                 entry["throughput"] = e2e.throughput(model, args.throughput_context, args.budget_gb, timer,

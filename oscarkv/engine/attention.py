@@ -50,15 +50,18 @@ class DecodeCtx(_Ctx):
     16-bit scratch column or to page 0 and attend to nothing)."""
 
     def __init__(self, store: PagedStore | Paged16Store, bs: int, sm_scale: float,
-                 rotation: KeyRotation | None = None, num_q_heads: int | None = None):
+                 rotation: KeyRotation | None = None, num_q_heads: int | None = None, tokens: Tensor | None = None):
+        """``tokens``: int64 ``[>= bs]`` on the store's device, the input token of each slot (the engine's
+        next-token buffer, which sampling writes on the device); default a buffer of this context's own."""
         super().__init__(store, sm_scale, rotation)
         dev = store.device
         self.bs = bs
+        self.tokens = torch.zeros(bs, dtype=torch.long, device=dev) if tokens is None else tokens[:bs]
         # static inputs, refreshed by two host-to-device copies per step (the graph keeps their addresses)
-        self._i64 = torch.zeros(6, bs, dtype=torch.long, device=dev)
+        self._i64 = torch.zeros(5, bs, dtype=torch.long, device=dev)
         # widx: bf16 page*P+row, oscar 16-bit row; page/row: bf16 only; kv_off: the new token's K/V element
         # offset in the layer's store view (see ``kv_dest``)
-        self.tokens, self.positions, self.widx, self.page, self.row, self.kv_off = self._i64
+        self.positions, self.widx, self.page, self.row, self.kv_off = self._i64
         self._i32 = torch.zeros(2, bs, dtype=torch.int32, device=dev)
         self.lens, self.qlen = self._i32  # bf16: tokens; oscar: 16-bit tokens (with the new one); 2-bit tokens
         self.rows = torch.arange(bs, device=dev)
@@ -68,10 +71,11 @@ class DecodeCtx(_Ctx):
             self.plan = DecodePlan(bs, num_q_heads or store.H, store.H, store.d, store.page_size,
                                    store.table.max_pages, store.c16 + 1, device=dev).update(bs)
 
-    def fill(self, tokens: list[int], positions: list[int], widx: list[int], lens: list[int],
-             qlen: list[int]) -> None:
+    def fill(self, positions: list[int], widx: list[int], lens: list[int], qlen: list[int]) -> None:
         """Refresh the static inputs from host lists of length ``bs`` (padded rows included); the per-step
-        index math (page, row, store offsets) is done here once, not per layer."""
+        index math (page, row, store offsets) is done here once, not per layer. The copies do not wait for the
+        device (pageable sources are staged by CUDA at once), so the host can prepare a step while the previous
+        one runs."""
         st = self.store
         if not self.oscar:
             P = st.page_size
@@ -82,8 +86,8 @@ class DecodeCtx(_Ctx):
             page = row = [0] * len(widx)
             s_slot, s_col = st.buf.stride(2), st.buf.stride(4)  # of the layer view [2, slots, H, C16+1, d]
             off = [t * s_slot + w * s_col for t, w in enumerate(widx)]
-        self._i64.copy_(torch.tensor([tokens, positions, widx, page, row, off], dtype=torch.long))
-        self._i32.copy_(torch.tensor([lens, qlen], dtype=torch.int32))
+        self._i64.copy_(torch.tensor([positions, widx, page, row, off], dtype=torch.long), non_blocking=True)
+        self._i32.copy_(torch.tensor([lens, qlen], dtype=torch.int32), non_blocking=True)
 
     def kv_dest(self, layer: int) -> KVDest:
         """Where QK-prep stores this step's K/V of ``layer`` (the fused write, Triton path)."""

@@ -65,13 +65,17 @@ def _real(x) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]`` (float32). Greedy rows take the argmax (lowest index on ties)."""
+def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of ``logits`` ``[B, V]`` (float32): int64 ``[B]`` on the logits' device, computed there
+    without waiting for the device (the caller reads it when it needs it). Greedy rows take the argmax (lowest
+    index on ties)."""
     out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
     if hot:
-        rows = torch.tensor(hot, device=logits.device)
-        x = logits[rows] / torch.tensor([params[i].temperature for i in hot], device=logits.device)[:, None]
+        dev = logits.device
+        rows = torch.tensor(hot).to(dev, non_blocking=True)
+        temps = torch.tensor([params[i].temperature for i in hot]).to(dev, non_blocking=True)
+        x = logits[rows] / temps[:, None]
         x = _filter(x, [params[i].top_k for i in hot], [params[i].top_p for i in hot])
         probs = x.softmax(dim=-1)
         picks = []
@@ -79,7 +83,7 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
             e = torch.empty_like(probs[j]).exponential_(generator=generators[i])
             picks.append((probs[j] / e).argmax())
         out[rows] = torch.stack(picks)
-    return out.tolist()
+    return out
 
 
 def _filter(x: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
@@ -88,11 +92,11 @@ def _filter(x: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
         return x
     sorted_x, order = x.sort(dim=-1, descending=True)
     V = x.shape[-1]
-    ks = torch.tensor([k if k > 0 else V for k in top_k], device=x.device)[:, None]
+    ks = torch.tensor([k if k > 0 else V for k in top_k]).to(x.device, non_blocking=True)[:, None]
     drop = torch.arange(V, device=x.device)[None] >= ks
     probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
     before = probs.cumsum(-1) - probs  # mass strictly above each token
-    drop |= before >= torch.tensor(top_p, device=x.device)[:, None]
+    drop |= before >= torch.tensor(top_p).to(x.device, non_blocking=True)[:, None]
     drop[:, 0] = False
     return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
 

@@ -10,6 +10,7 @@ freed, re-prefilled from its prompt plus generated tokens when resumed).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from ..cache import Paged16Store, PagedStore
 from .block_manager import BlockManager
@@ -18,8 +19,10 @@ from .sequence import Sequence
 
 class Scheduler:
     def __init__(self, store: PagedStore | Paged16Store, blocks: BlockManager, max_num_seqs: int,
-                 prefill_chunk: int):
-        self.store, self.blocks = store, blocks
+                 prefill_chunk: int, on_move: Callable[[int, int], None] | None = None):
+        """``on_move(src, dst)``: called when a sequence moves from slot ``src`` to ``dst`` (after the store moved
+        it), for per-slot state kept outside the store."""
+        self.store, self.blocks, self.on_move = store, blocks, on_move
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index == slot
@@ -35,7 +38,7 @@ class Scheduler:
         """Move waiting requests into free slots while pages for their whole token list are free."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = len(seq.tokens)
+            n = seq.num_tokens
             if self.blocks.pages_for(n) > self.blocks.num_free:
                 break
             self.waiting.popleft()
@@ -52,6 +55,8 @@ class Scheduler:
         if last is not seq:
             self.running[s] = last
             self.store.move(last.slot, s)
+            if self.on_move is not None:
+                self.on_move(last.slot, s)
             last.slot = s
 
     def remove_waiting(self, seq: Sequence) -> bool:
@@ -88,14 +93,15 @@ class Scheduler:
                 break
             if not seq.in_prefill:
                 continue
-            n1 = min(len(seq.tokens), seq.n_cached + budget)
+            n1 = min(seq.num_tokens, seq.n_cached + budget)
             budget -= n1 - seq.n_cached
             out.append((seq, seq.n_cached, n1))
         return out
 
-    def decodes(self) -> list[Sequence]:
-        """Sequences that decode this step, each with pages for one more token (newer ones may be preempted)."""
-        ready = [s for s in self.running if not s.in_prefill]
+    def decodes(self, wants: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Sequences that decode this step (those past their prompt for which ``wants(seq)`` holds, if given), each
+        with pages for one more token (newer ones may be preempted)."""
+        ready = [s for s in self.running if not s.in_prefill and (wants is None or wants(s))]
         for seq in ready:
             if seq.slot >= 0:
                 self.grow(seq, seq.n_cached + 1)

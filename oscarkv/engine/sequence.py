@@ -34,10 +34,16 @@ class Sequence:
     preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    in_flight: int = 0  # decode steps launched for this request whose token the host has not read yet
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and output tokens (a new list: O(length); :attr:`num_tokens` for the count)."""
         return self.prompt + self.out
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.out)
 
     @property
     def finished(self) -> bool:

@@ -60,3 +60,31 @@ def test_engine_check_passes_on_cpu_and_gates_on_a_mismatch():
     assert res == {"bf16_vs_transformers_token_match": 1.0}
     with pytest.raises(CorrectnessError, match="differ from the reference"):
         e2e.check_engine("cpu", log=lambda s: None, min_match=1.01)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "oscar"])
+def test_a_seeded_cache_holds_what_a_prefilled_one_holds(model, kv):
+    """The equal-batch suite's seeded caches: after the same number of decode steps, token counts, tier sizes,
+    pages and bytes in use equal those of a cache that prefilled the same prompts."""
+    gauges = {}
+    for how in ("prefill", "seed"):
+        llm = e2e.make_llm(model, kv, max_num_seqs=2, max_model_len=448, kv_budget_gb=0.05)
+        (e2e.prefill if how == "prefill" else e2e.seed)(llm, 2, 300, 40)
+        while min(s.n_cached for s in llm.engine.running) < 310:
+            llm.step()
+        st = llm.store
+        g = llm.gauges()
+        gauges[how] = ([s.n_cached for s in llm.engine.running], [st.lens[s.slot] for s in llm.engine.running],
+                       getattr(st, "qlens", [])[:2], g["kv_pool_used_bytes"], g["kv_pages_free"])
+    assert gauges["seed"] == gauges["prefill"]
+
+
+def test_equal_batch_rows_and_table(model, timer):
+    rows = e2e.equal_batch(model, [448], [1, 2], timer, steps=3, log=lambda s: None)
+    assert [(r["kv"], r["batch"]) for r in rows] == [("bf16", 1), ("oscar", 1), ("bf16", 2), ("oscar", 2)]
+    for r in rows:
+        assert r["fits"] and r["step_ms"] > 0 and r["floor_ms"] > 0 and r["kv_bytes_read"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+    assert rows[2]["kv_bytes_read"] > rows[0]["kv_bytes_read"] > rows[1]["kv_bytes_read"]
+    table = e2e.equal_batch_table(rows)
+    assert len(table) == 4 and table[2].startswith("| 448 | 1 |") and table[3].startswith("| 448 | 2 |")

@@ -65,7 +65,7 @@ def test_fused_kv_write_is_bit_equal_bf16():
         bf16 = isinstance(pool, Paged16Store)
         ctx = DecodeCtx(pool, N, d ** -0.5)
         widx = [64 + 5, 3 * 64 + 63, 7 * 64, 0] if bf16 else [17, 0, 300, pool.c16]
-        ctx.fill([1] * N, [5, 9, 100, 0], widx, [1] * N, [0] * N)
+        ctx.fill([5, 9, 100, 0], widx, [1] * N, [0] * N)
         rot = (None, None) if bf16 else (rk, mu)
         store = pool.kv if bf16 else pool.buf
         for layer in range(L):

@@ -47,7 +47,7 @@ def test_fused_kv_write_equals_reference_write_in_interpreter():
         ctx = DecodeCtx(pool, N, d ** -0.5)
         bf16 = isinstance(pool, Paged16Store)
         # two live rows and one padded row (page 0 / the scratch column)
-        ctx.fill([1, 2, 3], [7, 9, 0], [2 * P + 3, 5 * P + 7, 0] if bf16 else [5, 0, pool.c16], [1, 1, 0], [0] * 3)
+        ctx.fill([7, 9, 0], [2 * P + 3, 5 * P + 7, 0] if bf16 else [5, 0, pool.c16], [1, 1, 0], [0] * 3)
         rot = (None, None) if bf16 else (rk, mu)
         store = pool.kv if bf16 else pool.buf
         for layer in range(L):

@@ -76,7 +76,8 @@ def test_stored_pages_equal_reference_quantization(make_hf):
     while len(seq.out) < 14:
         llm.step()
     st, n = llm.store, seq.n_cached
-    assert n == 23 + 13 and st.qlens[seq.slot] == st.policy.quantized(n) == 24
+    # the step in flight has stored its input, the 14th output token, whose successor the host has not read
+    assert n == 23 + 14 == seq.num_tokens and st.qlens[seq.slot] == st.policy.quantized(n) == 24
     k, v = _layer0_rows(hf, calib, seq.tokens[:n])
     for which, (x, clip) in enumerate(((k, 0.9), (v, 0.85))):
         rows = x[4:4 + 24].float()  # the 2-bit tier: tokens [S, S + q)
