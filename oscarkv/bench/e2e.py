@@ -84,8 +84,9 @@ def pages_per_sequence(llm, tokens: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def release(llm) -> None:
-    del llm
+def free_memory() -> None:
+    """Return the memory of engines no longer referenced to the GPU (the caller drops its references first: an
+    engine still named in the caller's frame keeps its pool, and the next pool would be allocated beside it)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -217,7 +218,8 @@ def latency(model, contexts: list[int], timer: Timer, steps: int, log: Callable[
                 rows.append(r)
                 log(f"  latency {kv:9s} ctx {ctx:>6d} pdl {'on' if pdl else 'off'}: {r['step_ms']:.3f} ms (floor "
                     f"{floor:.3f}, x{r['ratio_to_floor']:.2f}); prefill {pre['prefill_s']:.1f} s")
-                release(llm)
+                del llm
+                free_memory()
     return rows
 
 
@@ -227,7 +229,8 @@ def fit_batch(model, kv: str, ctx: int, budget_gb: float, cap: int, **kw) -> int
     def fits(m: int) -> int:
         llm = make_llm(model, kv, max_num_seqs=m, max_model_len=ctx, kv_budget_gb=budget_gb, **kw)
         n = int(llm.gauges()["kv_pages_total"]) // pages_per_sequence(llm, ctx)
-        release(llm)
+        del llm
+        free_memory()
         return n
 
     m = min(cap, fits(cap))
@@ -256,7 +259,8 @@ def throughput(model, ctx: int, budget_gb: float, timer: Timer, steps: int, log:
                  tokens_per_s=n / r["step_ms"] * 1e3)
         rows.append(r)
         log(f"  throughput {kv:5s} ctx {ctx} batch {n:>3d}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s")
-        release(llm)
+        del llm
+        free_memory()
     return rows
 
 
@@ -298,7 +302,8 @@ def equal_batch(model, contexts: list[int], batches: list[int], timer: Timer, st
                 rows.append(row)
                 log(f"  equal-batch {kv:9s} ctx {ctx:>6d} batch {bs:>3d}: {r['step_ms']:.3f} ms (replay "
                     f"{r.get('replay_ms', float('nan')):.3f}, floor {floor:.3f})")
-                release(llm)
+                del llm
+                free_memory()
     return rows
 
 
@@ -427,4 +432,4 @@ def check_engine(device: str, log: Callable[[str], None], min_match: float = 0.9
 
 __all__ = ["PEAK_BW", "peak_bandwidth", "make_llm", "pages_per_sequence", "prefill", "seed", "time_steps", "latency",
            "equal_batch", "equal_batch_table", "throughput", "memory",
-           "fit_batch", "latency_table", "check_engine"]
+           "fit_batch", "free_memory", "latency_table", "check_engine"]
