@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--longgen-tokens", type=int, default=2048, help="long generation: tokens generated (default 2048)")
     p.add_argument("--longgen-context", type=int, help="long generation: prompt length (default: the first --context)")
     p.add_argument("--time-budget", type=float,
-                   help="seconds after which no task starts a new unit (a unit started is finished; rerun to resume)")
+                   help="seconds, counted once the model and text are loaded, after which no task starts a new unit (a "
+                   "unit started is finished; rerun to resume)")
     p.add_argument("--greedy-prompts", type=int, default=4, help="greedy prompts per context length (default 4)")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy continuation length (default 32)")
     p.add_argument("--greedy-mode", choices=("teacher", "decode"), default="teacher",
@@ -151,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.time_budget is not None:  # counted from here: loading the model is not evaluation time
+        import dataclasses
+
+        plan = dataclasses.replace(plan, deadline=time.monotonic() + args.time_budget)
     if args.suite:
         return _run_suite(args, ctx)
     if args.study:
@@ -186,8 +191,7 @@ def _build(args: argparse.Namespace):
                 greedy_tokens=args.greedy_tokens, greedy_mode=args.greedy_mode, prefill_chunk=args.prefill_chunk,
                 path=args.path, batch=args.batch, bucket=args.bucket, longgen_prompts=args.longgen_prompts,
                 longgen_tokens=args.longgen_tokens, longgen_context=args.longgen_context,
-                simulate_chunk=args.simulate_chunk,
-                deadline=None if args.time_budget is None else time.monotonic() + args.time_budget)
+                simulate_chunk=args.simulate_chunk)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
