@@ -92,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     pdls = args.pdl if isinstance(args.pdl, tuple) else parse_pdl(str(args.pdl))
     res: dict = {"provenance": provenance(args.git_sha), "gemv": args.gemv, "max_model_len": args.max_model_len,
                  "pdl": ["on" if p else "off" for p in pdls], "peak_bw": e2e.peak_bandwidth(), "steps": args.steps,
-                 "device": torch.cuda.get_device_name(),
                  "note": "random weights; latency and throughput: random-token prompts prefilled; batches: caches "
                          "seeded (oscarkv.bench.e2e.seed); decode step = wall time per LLM.step() over consecutive "
                          "steps with every sequence decoding (median), replay = the step's CUDA graph alone",

@@ -99,8 +99,7 @@ class Engine:
     def abort(self, seq_id: int) -> bool:
         for seq in list(self.waiting):
             if seq.id == seq_id:
-                self.scheduler.remove_waiting(seq)
-                seq.finish_reason = "abort"
+                self._finish(seq, "abort")
                 return True
         for seq in self.running:
             if seq.id == seq_id:
@@ -176,7 +175,7 @@ class Engine:
         (the failing sequences end in errors). Returns ``(sequences, tokens on the device)`` per launched part."""
         try:
             logits = self.runner.decode(ready, self.runner.batch_size(len(self.running)))
-            rows = self._rows(logits, [s.slot for s in ready])
+            rows = logits[self._slot_index(ready, logits.device)]
             self.store.commit_decode([s.slot for s in ready])
         except Exception as e:  # find and fail the sequences involved, retry the others
             if len(ready) == 1:
@@ -193,12 +192,14 @@ class Engine:
             seq.n_cached += 1
         return self._sample_next(ready, rows, done)
 
-    def _rows(self, logits: Tensor, slots: list[int]) -> Tensor:
-        """The rows of ``slots`` of a decode step's logits (a view when they are the first rows, else a gather
-        whose index travels without waiting for the device)."""
+    @staticmethod
+    def _slot_index(seqs: list[Sequence], device: torch.device) -> slice | Tensor:
+        """Index of ``seqs``' slots into per-slot device tensors: a slice when they are the first slots (views,
+        no copy), else an index tensor that travels without waiting for the device."""
+        slots = [s.slot for s in seqs]
         if slots == list(range(len(slots))):
-            return logits[: len(slots)]
-        return logits.index_select(0, torch.tensor(slots).to(logits.device, non_blocking=True))
+            return slice(0, len(slots))
+        return torch.tensor(slots).to(device, non_blocking=True)
 
     def _sample_next(self, seqs: list[Sequence], logits: Tensor, done: list[Sequence]
                      ) -> list[tuple[list[Sequence], Tensor]]:
@@ -211,12 +212,8 @@ class Engine:
                 self._fail(seqs, e, done)
                 return []
             return [part for i, seq in enumerate(seqs) for part in self._sample_next([seq], logits[i:i + 1], done)]
-        slots = [s.slot for s in seqs]
         nt = self.runner.next_tokens
-        if slots == list(range(len(slots))):
-            nt[: len(slots)].copy_(toks)
-        else:
-            nt.index_copy_(0, torch.tensor(slots).to(nt.device, non_blocking=True), toks)
+        nt[self._slot_index(seqs, nt.device)] = toks
         for seq in seqs:
             seq.in_flight += 1
         return [(seqs, toks)]
@@ -228,7 +225,7 @@ class Engine:
         seqs = [s for part, _ in launched for s in part]
         toks = torch.cat([t for _, t in launched]) if len(launched) > 1 else launched[0][1]
         if toks.device.type != "cuda":
-            return _InFlight(seqs, toks.clone(), None)
+            return _InFlight(seqs, toks, None)
         host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
         host.copy_(toks, non_blocking=True)
         ready = torch.cuda.Event()
@@ -267,10 +264,12 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- finishing
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq``: a running one gives back its slot and pages; a waiting one (not yet admitted, or preempted
+        while its last token was in flight) leaves the queue."""
         seq.finish_reason = reason
         if seq.slot >= 0:
             self.scheduler.release(seq)
-        else:  # preempted while its last token was in flight: it waits to be resumed
+        else:
             self.scheduler.remove_waiting(seq)
 
     def _fail(self, seqs: list[Sequence], e: BaseException, done: list[Sequence]) -> None:
@@ -279,11 +278,7 @@ class Engine:
                 continue
             seq.error = _describe(e)
             self.stats["errors"] += 1
-            if seq.slot >= 0:
-                self._finish(seq, "error")
-            else:
-                self.scheduler.remove_waiting(seq)
-                seq.finish_reason = "error"
+            self._finish(seq, "error")
             done.append(seq)
 
 
