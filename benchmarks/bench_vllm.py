@@ -1,14 +1,19 @@
-"""vLLM 0.26.0 BF16 vs vLLM + OSCAR on one GPU: KV capacity (vLLM's own log line), offline throughput at long
-context under the same ``gpu_memory_utilization``, and OSCAR logits against the project's transformers reference.
+"""vLLM 0.26.0 as its users run it against vLLM + OSCAR on one GPU: KV capacity (vLLM's own log line), offline
+throughput at long context under the same ``gpu_memory_utilization``, and OSCAR logits against the project's
+transformers reference.
 
-    python benchmarks/bench_vllm.py --out vllm_h200.json [--util 0.15] [--context 32000]
+    python benchmarks/bench_vllm.py --out vllm.json [--modes bf16,fp8,int4_per_token_head,oscar] \
+        [--shape 0.6b|8b] [--contexts 32000] [--gens 128,1024] [--util 0.15]
 
-A random-weight Qwen3-shaped model (28 layers, 16/8 heads, d=128) is written first, with a random calibration
-(orthogonal rotations, small means, clip 0.96/0.92, sink 64 + window 256). Each engine runs in its own process
-(``--child``) so the two never share GPU memory. Both run eager (``enforce_eager``); the BF16 baseline uses
-vLLM's default backend (FlashAttention 3 on an H200). A deadline bounds the whole run; phases past it are recorded
-as skipped. OSCAR's logits are checked against ``oscarkv.hf.simulate`` (``--max-kl``); if that fails, no speed is
-reported and the script exits 1.
+A random-weight Qwen3-shaped model is written first, with a random calibration (orthogonal rotations, small means,
+clip 0.96/0.92, sink 64 + window 256). Each mode is one engine in its own process (``--child``), so that no two
+share GPU memory; each engine runs every (context, output length) cell with as many sequences as fit at once.
+Modes (``MODES``): vLLM's defaults (``bf16``: CUDA graphs on, FlashAttention 3 on Hopper), ``bf16-eager``, vLLM's
+own quantized caches (``fp8``, ``int4_per_token_head``, ``int8_per_token_head``, ``nvfp4``, ``turboquant_*``), and
+the plugin (``oscar``: vLLM's defaults plus the backend; ``oscar-eager``). A mode that fails at start is recorded
+with the last lines of its log. A deadline bounds the whole run; modes past it are recorded as skipped. OSCAR's
+logits are checked against ``oscarkv.hf.simulate`` (``--max-kl``); if that fails, no OSCAR speed is reported and
+the script exits 1.
 """
 
 from __future__ import annotations
@@ -26,14 +31,26 @@ from pathlib import Path
 QWEN3 = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
              rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
+SHAPES = {"0.6b": ("Qwen3-0.6B-like", QWEN3),
+          "8b": ("Qwen3-8B-like", {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                                   "num_attention_heads": 32, "tie_word_embeddings": False})}
+# engine keyword arguments of each mode, on top of the shared ones (vLLM's defaults: CUDA graphs on)
+MODES = {
+    "bf16": {}, "bf16-eager": {"enforce_eager": True},
+    **{dt: {"kv_cache_dtype": dt} for dt in ("fp8", "int4_per_token_head", "int8_per_token_head", "nvfp4",
+                                             "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc",
+                                             "turboquant_k8v4")},
+    "oscar": {"oscar": True}, "oscar-eager": {"oscar": True, "enforce_eager": True},
+}
 
 
-def make_model(root: Path) -> tuple[Path, Path]:
+def make_model(root: Path, shape: dict, max_len: int) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     model_dir, calib_dir = root / "qwen3-random", root / "qwen3-random-calib"
-    cfg = Qwen3Config(**QWEN3, architectures=["Qwen3ForCausalLM"])
+    cfg = Qwen3Config(**{**shape, "max_position_embeddings": max(shape["max_position_embeddings"], max_len)},
+                      architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
@@ -63,20 +80,25 @@ def random_calibration(cfg, seed: int = 0):
 
 
 def child(spec: dict) -> None:
-    """One engine: optional logits task (full log-probs saved), optional throughput task. Prints RESULT json."""
+    """One engine: optional logits task (full log-probs saved), then every (context, output length) cell with as
+    many sequences as fit at once. Prints RESULT json."""
     import torch
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-              gpu_memory_utilization=spec["util"], max_model_len=spec["max_model_len"], seed=0,
-              enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1,
+    mode = dict(MODES[spec["mode"]])
+    kw = dict(model=spec["model"], dtype="bfloat16", enforce_eager=mode.pop("enforce_eager", False),
+              skip_tokenizer_init=True, gpu_memory_utilization=spec["util"], max_model_len=spec["max_model_len"],
+              seed=0, enable_prefix_caching=False, max_num_seqs=spec["max_num_seqs"], max_logprobs=-1,
               max_num_batched_tokens=spec["max_batched_tokens"], disable_log_stats=False)
-    if spec.get("oscar"):
-        kw.update(attention_config={"backend": "CUSTOM"}, block_size=64, additional_config={"oscar": spec["oscar"]})
+    if mode.pop("oscar", False):
+        kw.update(attention_config={"backend": "CUSTOM"}, block_size=64,
+                  additional_config={"oscar": {"calibration": spec["calibration"]}})
+    kw.update(mode)
     t0 = time.time()
     llm = LLM(**kw)
-    out = {"engine_start_s": time.time() - t0}
+    out = {"engine_start_s": time.time() - t0, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}
     gen = torch.Generator().manual_seed(1)
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     if spec.get("logits_prompts"):
         prompts = [torch.randint(0, 150000, (n,), generator=gen).tolist() for n in spec["logits_prompts"]]
         sp = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False, logprobs=-1, ignore_eos=True)
@@ -84,7 +106,7 @@ def child(spec: dict) -> None:
         dense = []
         for r in res:
             steps = r.outputs[0].logprobs
-            lp = torch.full((len(steps), QWEN3["vocab_size"]), float("-inf"))
+            lp = torch.full((len(steps), vocab), float("-inf"))
             for i, s in enumerate(steps):
                 lp[i, torch.tensor(list(s.keys()))] = torch.tensor([x.logprob for x in s.values()])
             dense.append(lp)
@@ -93,17 +115,50 @@ def child(spec: dict) -> None:
     cc = llm.llm_engine.vllm_config.cache_config
     if cc.num_gpu_blocks:
         out["kv_capacity_blocks"], out["block_size"] = cc.num_gpu_blocks, cc.block_size
-    if spec.get("context"):
-        ctx, new = spec["context"], spec["gen"]
-        cap = (cc.num_gpu_blocks or 0) * cc.block_size
-        n = max(1, min(spec["max_num_seqs"], cap // (ctx + new + cc.block_size)))  # as many as fit at once
-        prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()} for _ in range(n)]
-        sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
-        # warm-up: steps that mix one prompt with 0..9 decode rows, then decode-only batches of 9..1, so that
-        # first-use work (kernel builds for each launch shape, ~1.7 s each) stays out of the timed phases
-        llm.generate(prompts[:10], SamplingParams(max_tokens=12, detokenize=False, ignore_eos=True), use_tqdm=False)
-        out.update(num_seqs=n, context=ctx, gen=new, **timed_generate(llm.llm_engine, prompts, sp))
+    cap = (cc.num_gpu_blocks or 0) * cc.block_size
+    out["cells"], warmed = [], False
+    for ctx in spec["contexts"]:
+        for new in spec["gens"]:
+            if time.time() - t0 > spec["budget_s"]:
+                out["cells"].append({"context": ctx, "gen": new, "skipped": "mode budget"})
+                continue
+            n = max(1, min(spec["max_num_seqs"], cap // (ctx + new + cc.block_size)))  # as many as fit at once
+            prompts = [{"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()}
+                       for _ in range(n)]
+            if not warmed:  # steps that mix one prompt with decode rows, then decode-only batches: first-use work
+                llm.generate(prompts[:10], SamplingParams(max_tokens=12, detokenize=False, ignore_eos=True),
+                             use_tqdm=False)  # (graph captures of new shapes, kernel builds) stays out of the timing
+                warmed = True
+            sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
+            out["cells"].append({"num_seqs": n, "context": ctx, "gen": new,
+                                 **timed_generate(llm.llm_engine, prompts, sp)})
+            print("CELL " + json.dumps({k: v for k, v in out["cells"][-1].items()
+                                        if not k.startswith("prefill_phase_step")}), flush=True)
+    if spec.get("profile_prefill"):
+        out["prefill_profile"] = profile_prefill(llm, spec["contexts"][0], gen)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def profile_prefill(llm, ctx: int, gen) -> list[dict]:
+    """The GPU kernels of one ``ctx``-token prompt's prefill (one chunk, one output token), by total CUDA time:
+    where a prefill's time goes, for the record."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": torch.randint(0, 150000, (ctx,), generator=gen).tolist()}
+    sp = SamplingParams(max_tokens=1, detokenize=False, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    return [{"wall_s": round(wall, 4)}] + [
+        {"name": e.key[:120], "calls": e.count, "cuda_ms": round(e.device_time_total / 1e3, 3),
+         "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in rows[:30]]
 
 
 # counters, reported per step as differences
@@ -184,6 +239,7 @@ def timed_generate(engine, prompts: list, sp) -> dict:
                                                                                + new) / wall}
     if window_start is not None:
         res["prefill_phase_s"] = window_start[0] - t0
+        res["prefill_s_per_prompt"] = res["prefill_phase_s"] / len(prompts)
         res["prefill_phase_step_s"] = [round(x, 4) for x in step_s]
         res["prefill_phase_steps"] = step_info
     if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
@@ -242,70 +298,110 @@ def provenance(git_sha: str | None) -> dict:
     return {**base(git_sha), "vllm": vllm.__version__}
 
 
+def ratios(runs: dict, base: str = "bf16") -> dict:
+    """Each mode against ``base`` (vLLM's defaults): KV capacity, and per cell decode and whole-run output
+    throughput and prefill time per prompt."""
+    ref = runs.get(base) or {}
+    ref_cells = {(c["context"], c["gen"]): c for c in ref.get("cells", []) if "wall_s" in c}
+    out = {}
+    for name, r in runs.items():
+        if name == base or not r or "cells" not in r:
+            continue
+        row = {}
+        if r.get("kv_capacity_tokens") and ref.get("kv_capacity_tokens"):
+            row["kv_capacity"] = r["kv_capacity_tokens"] / ref["kv_capacity_tokens"]
+        for c in r["cells"]:
+            rc = ref_cells.get((c["context"], c["gen"]))
+            if rc is None or "wall_s" not in c:
+                continue
+            cell = {"output_tok_s": c["output_tok_s"] / rc["output_tok_s"]}
+            if c.get("decode_tok_s") and rc.get("decode_tok_s"):
+                cell["decode_tok_s"] = c["decode_tok_s"] / rc["decode_tok_s"]
+            if c.get("prefill_s_per_prompt") and rc.get("prefill_s_per_prompt"):
+                cell["prefill_s_per_prompt"] = c["prefill_s_per_prompt"] / rc["prefill_s_per_prompt"]
+            row[f"{c['context']}x{c['gen']}"] = cell
+        out[name] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child")
-    ap.add_argument("--out", default="vllm_h200.json")
+    ap.add_argument("--out", default="vllm.json")
     ap.add_argument("--work", default="/tmp/oscar-vllm-bench")
+    ap.add_argument("--modes", default="oscar,bf16,fp8,int4_per_token_head,turboquant_k3v4_nc",
+                    help=f"comma-separated, from {', '.join(MODES)}; vLLM's defaults (bf16) are the base of the "
+                         "ratios")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--util", type=float, default=0.15)
-    ap.add_argument("--context", type=int, default=32000)
-    ap.add_argument("--gen", type=int, default=256, help="tokens generated per sequence")
+    ap.add_argument("--contexts", default="32000", help="comma-separated prompt lengths")
+    ap.add_argument("--gens", default="128,1024", help="comma-separated output lengths (tokens per sequence)")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
-                    help="vLLM max_num_batched_tokens for both engines (default: the model length, one chunk per "
+                    help="vLLM max_num_batched_tokens for every engine (default: the model length, one chunk per "
                          "prompt)")
-    ap.add_argument("--deadline", type=float, default=400.0, help="seconds for the whole run")
+    ap.add_argument("--mode-budget", type=float, default=240.0,
+                    help="seconds one engine may take for its cells (later cells are skipped; the process is "
+                         "killed at twice this)")
+    ap.add_argument("--profile-prefill", action="store_true", help="profile one prefill of each engine")
+    ap.add_argument("--deadline", type=float, default=560.0, help="seconds for the whole run")
     ap.add_argument("--git-sha", default=None, help="commit of the code run (default: this checkout's HEAD)")
     ap.add_argument("--max-kl", type=float, default=1e-2,
                     help="largest mean KL (nats/token) of vLLM + OSCAR to the transformers reference; above it, or "
-                         "without the check, no speed is reported and the script exits 1")
+                         "without the check, no OSCAR speed is reported and the script exits 1")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))
+    modes = a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    contexts, gens = [int(x) for x in a.contexts.split(",")], [int(x) for x in a.gens.split(",")]
     t_start = time.time()
     left = lambda: a.deadline - (time.time() - t_start)  # noqa: E731
     root = Path(a.work)
     root.mkdir(parents=True, exist_ok=True)
-    model_dir, calib_dir = make_model(root)
-    report = {"provenance": provenance(a.git_sha), "model": {"shape": "Qwen3-0.6B-like, random weights", **QWEN3},
-              "settings": {"gpu_memory_utilization": a.util, "context": a.context, "gen": a.gen, "enforce_eager": True,
-                           "max_num_batched_tokens": a.max_batched_tokens or a.context + a.gen + 64},
+    max_len = max(contexts) + max(gens) + 64
+    shape_name, shape = SHAPES[a.shape]
+    model_dir, calib_dir = make_model(root, shape, max_len)
+    report = {"provenance": provenance(a.git_sha), "model": {"shape": f"{shape_name}, random weights", **shape},
+              "settings": {"gpu_memory_utilization": a.util, "contexts": contexts, "gens": gens,
+                           "max_num_batched_tokens": a.max_batched_tokens or max_len, "prefix_caching": False},
               "runs": {}, "logs": {}}
-    max_len = a.context + a.gen + 64
-    common = {"model": str(model_dir), "util": a.util, "max_model_len": max_len, "context": a.context, "gen": a.gen,
-              "max_batched_tokens": a.max_batched_tokens or max_len}
-    plan = [  # OSCAR first: its logits check matters most if the deadline cuts the run short
-        ("oscar", {**common, "oscar": {"calibration": str(calib_dir)}, "max_num_seqs": 48,
-                   "logits_prompts": [1200, 700], "logits_out": str(root / "oscar_logits.pt")}),
-        ("bf16", {**common, "max_num_seqs": 64}),
-    ]
-    for name, spec in plan:
-        if left() < 45:
+    common = {"model": str(model_dir), "util": a.util, "max_model_len": max_len, "contexts": contexts, "gens": gens,
+              "max_batched_tokens": a.max_batched_tokens or max_len, "budget_s": a.mode_budget,
+              "calibration": str(calib_dir), "profile_prefill": a.profile_prefill}
+    checked = None  # the OSCAR mode whose logits are checked: the first one run
+    for name in modes:
+        if left() < 60:
             report["runs"][name] = {"skipped": "deadline"}
             continue
-        res, log = run_child(spec, left() - 20)
-        report["runs"][name], report["logs"][name] = res, log[-6000:]
-        print(name, json.dumps(res), flush=True)
-    r = {k: report["runs"].get(k) or {} for k in ("oscar", "bf16")}
-    if r["oscar"].get("kv_capacity_tokens") and r["bf16"].get("kv_capacity_tokens"):
-        report["kv_capacity_ratio"] = r["oscar"]["kv_capacity_tokens"] / r["bf16"]["kv_capacity_tokens"]
-    for key in ("output_tok_s", "decode_tok_s"):
-        if r["oscar"].get(key) and r["bf16"].get(key):
-            report[key.replace("_tok_s", "") + "_throughput_ratio"] = r["oscar"][key] / r["bf16"][key]
-    try:
-        report["logits_check"] = logits_check(model_dir, calib_dir, root / "oscar_logits.pt")
-    except Exception as e:  # noqa: BLE001 - recorded, and it withholds the speeds below
-        report["logits_check"] = {"error": repr(e)[:2000]}
-    kls = report["logits_check"].get("kl_ref_vs_vllm_mean")
-    refused = None if kls and max(kls) <= a.max_kl else f"logits check failed or missing: {report['logits_check']}"
+        spec = {**common, "mode": name, "max_num_seqs": 48 if MODES[name].get("oscar") else 64}
+        if MODES[name].get("oscar") and checked is None:
+            checked = name
+            spec.update(logits_prompts=[1200, 700], logits_out=str(root / "oscar_logits.pt"))
+        res, log = run_child(spec, min(left() - 30, 2 * a.mode_budget))
+        report["runs"][name] = res or {"failed": log[-3000:]}
+        report["logs"][name] = log[-6000:]
+        print(name, json.dumps({k: v for k, v in (res or {}).items() if k != "cells"}), flush=True)
+    report["vs_bf16"] = ratios(report["runs"])
+    refused = None
+    if checked:
+        try:
+            report["logits_check"] = logits_check(model_dir, calib_dir, root / "oscar_logits.pt")
+        except Exception as e:  # noqa: BLE001 - recorded, and it withholds the speeds below
+            report["logits_check"] = {"error": repr(e)[:2000]}
+        kls = report["logits_check"].get("kl_ref_vs_vllm_mean")
+        refused = None if kls and max(kls) <= a.max_kl else f"logits check failed or missing: {report['logits_check']}"
     if refused:  # no speed for an engine whose outputs do not match the reference
         report["refused"] = refused
-        for key in [k for k in report if k.endswith("_ratio")]:
-            del report[key]
-        for key in ("wall_s", "output_tok_s", "total_tok_s", "decode_tok_s", "decode_step_ms", "prefill_phase_s"):
-            (report["runs"].get("oscar") or {}).pop(key, None)
+        for name in [m for m in modes if MODES[m].get("oscar")]:
+            report["vs_bf16"].pop(name, None)
+            for c in (report["runs"].get(name) or {}).get("cells", []):
+                for key in [k for k in c if k not in ("num_seqs", "context", "gen")]:
+                    del c[key]
     report["wall_s"] = time.time() - t_start
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "logs"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("logs", "runs")}, indent=1))
     if refused:
         raise SystemExit(f"no speed reported: {refused}")
 

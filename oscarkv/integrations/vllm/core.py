@@ -16,6 +16,7 @@ the output is rotated back (``@ R_V^T``) and ``mu_V`` added. Every 2-bit value i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,9 +263,11 @@ def quant_step(
         z = empty16.expand(nd, H, 1, d)
         extend_attention(qr[:nd, None], kr[:nd, None], vr[:nd, None], kp, vp, m.bt2[:nd], m.qlen[:nd], z, z,
                          m.len16[:nd], p.sm_scale, out=attn[:nd, None])
+    fresh = [(a, b) for _, a, b, n0 in m.prefills if n0 == 0] if q.is_cuda else []
+    if fresh:  # nothing stored before these chunks: causal attention over each chunk alone
+        fresh_chunk_attention(qr, kr, vr, fresh, p.sm_scale, attn)
     for row, a, b, n0 in m.prefills:
-        if n0 == 0 and q.is_cuda:  # nothing stored before this chunk: causal attention over it (FlashAttention)
-            attn[a:b] = causal_self_attention(qr[a:b], kr[a:b], vr[a:b], p.sm_scale)
+        if (a, b) in fresh:
             continue
         k16, v16 = pre16.get(row, (empty16, empty16))
         hl = ([m.qlen_host[row]], [m.len16_host[row]]) if m.qlen_host else None
@@ -313,6 +316,44 @@ def write_pages(kp: QuantPages, vp: QuantPages, k16: Tensor, v16: Tensor, flat_k
     k = torch.where(sel, k16[m.page_new], flat_k[m.page_ring])
     v = torch.where(sel, v16[m.page_new], flat_v[m.page_ring])
     ops()[0](kp, vp, k, v, m.page_slots, k_clip=p.k_clip, v_clip=p.v_clip, check_pages=False)
+
+
+@functools.cache
+def _flash_varlen() -> tuple[Callable, int | None] | None:
+    """vLLM's FlashAttention varlen function and the version it picks for this GPU (FA3 on Hopper), or None where
+    this vLLM build has none (the CPU platform, a build without its FlashAttention library)."""
+    try:
+        from vllm.v1.attention.backends import fa_utils
+    except ImportError:
+        return None
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        return None
+    return fa_utils.flash_attn_varlen_func, fa_utils.get_flash_attn_version()
+
+
+def fresh_chunk_attention(q: Tensor, k: Tensor, v: Tensor, spans: list[tuple[int, int]], sm_scale: float,
+                          out: Tensor) -> None:
+    """Causal attention of each chunk ``q[a:b]`` to its own ``k/v[a:b]`` (no prefix), written into ``out[a:b]``;
+    q/out ``[T, Hq, d]``, k/v ``[T, Hkv, d]``, CUDA. One varlen FlashAttention call over the chunks (vLLM's
+    library, the kernel its own backend prefills with) in 16-bit dtypes; torch SDPA otherwise and as the
+    reference (tests/integrations/vllm/test_core.py compares the two on a GPU)."""
+    fa = _flash_varlen() if q.dtype in (torch.float16, torch.bfloat16) else None
+    if fa is None:
+        for a, b in spans:
+            out[a:b] = causal_self_attention(q[a:b], k[a:b], v[a:b], sm_scale)
+        return
+    flash, version = fa
+    lo, hi = spans[0][0], spans[-1][1]
+    rows = [a for a, _ in spans] + [hi]
+    if any(b != a2 for (_, b), a2 in zip(spans, rows[1:])):  # chunks not adjacent: one call each
+        for span in spans:
+            fresh_chunk_attention(q, k, v, [span], sm_scale, out)
+        return
+    cu = torch.tensor(rows, dtype=torch.int32).sub_(lo).to(q.device, non_blocking=True)
+    longest = max(b - a for a, b in spans)
+    kw = {} if version is None else {"fa_version": version}
+    flash(q[lo:hi], k[lo:hi], v[lo:hi], max_seqlen_q=longest, cu_seqlens_q=cu, max_seqlen_k=longest,
+          cu_seqlens_k=cu, softmax_scale=sm_scale, causal=True, out=out[lo:hi], **kw)
 
 
 def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:

@@ -7,8 +7,8 @@ import torch
 
 from oscarkv.cache import PageGeometry, TierPolicy
 from oscarkv.formats import LayerFormat, TensorFormat
-from oscarkv.integrations.vllm.core import (build_step, carve, causal_self_attention, dense_step, page_bytes,
-                                           prebuild_decode_kernels)
+from oscarkv.integrations.vllm.core import (build_step, carve, causal_self_attention, dense_step, fresh_chunk_attention,
+                                           page_bytes, prebuild_decode_kernels)
 from oscarkv.integrations.vllm.windows import WindowSlots
 from oscarkv.kernels.layout import PageFormat
 
@@ -114,6 +114,44 @@ def test_causal_self_attention_is_the_extend_reference_without_a_prefix():
                                 z16, z16, zeros, d**-0.5)[0]
     got = causal_self_attention(q, k, v, d**-0.5)
     torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-5)
+
+
+def _fresh_chunks(device, dtype, spans, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    T, H, g, d = spans[-1][1] + 3, 2, 4, 128
+    q = torch.randn(T, H * g, d, generator=gen).to(device, dtype)
+    k, v = (torch.randn(T, H, d, generator=gen).to(device, dtype) for _ in range(2))
+    want = torch.full(q.shape, 7.0, dtype=dtype, device=device)  # rows outside the spans stay untouched
+    for a, b in spans:
+        want[a:b] = causal_self_attention(q[a:b], k[a:b], v[a:b], d**-0.5)
+    return q, k, v, want
+
+
+@pytest.mark.parametrize("spans", [[(0, 40)], [(2, 19), (19, 50), (50, 51)], [(0, 9), (12, 30)]])
+def test_fresh_chunk_attention_attends_within_each_chunk(spans):
+    """Adjacent and separated chunks: each chunk alone, causal; other rows of ``out`` are not written."""
+    q, k, v, want = _fresh_chunks("cpu", torch.float32, spans)
+    got = torch.full(q.shape, 7.0)
+    fresh_chunk_attention(q, k, v, spans, 128**-0.5, got)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spans", [[(0, 4000)], [(0, 1000), (1000, 3500), (3500, 3501)], [(0, 700), (900, 2000)]])
+def test_fresh_chunk_attention_flash_matches_sdpa(spans):
+    """vLLM's varlen FlashAttention (bfloat16) against torch SDPA per chunk: within bfloat16 rounding of the
+    outputs (atol 8e-3, rtol 1.6e-2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    from oscarkv.integrations.vllm import core
+
+    if core._flash_varlen() is None:
+        pytest.skip("this vLLM build has no FlashAttention varlen")
+    q, k, v, want = _fresh_chunks("cuda", torch.bfloat16, spans)
+    got = torch.full(q.shape, 7.0, dtype=torch.bfloat16, device="cuda")
+    fresh_chunk_attention(q, k, v, spans, 128**-0.5, got)
+    torch.testing.assert_close(got, want, atol=8e-3, rtol=1.6e-2)
 
 
 def test_decode_plan_is_built_once_and_replanned_per_step():
