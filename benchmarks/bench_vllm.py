@@ -10,7 +10,8 @@ clip 0.96/0.92, sink 64 + window 256). Each mode is one engine in its own proces
 share GPU memory; each engine runs every (context, output length) cell with as many sequences as fit at once.
 Modes (``MODES``): vLLM's defaults (``bf16``: CUDA graphs on, FlashAttention 3 on Hopper), ``bf16-eager``, vLLM's
 own quantized caches (``fp8``, ``int4_per_token_head``, ``int8_per_token_head``, ``nvfp4``, ``turboquant_*``), and
-the plugin (``oscar``: vLLM's defaults plus the backend; ``oscar-eager``). A mode that fails at start is recorded
+the plugin (``oscar``: vLLM's defaults plus the backend, whose decode batches run inside vLLM's full CUDA graphs;
+``oscar-piecewise``; ``oscar-eager``). A mode that fails at start is recorded
 with the last lines of its log. A deadline bounds the whole run; modes past it are recorded as skipped. OSCAR's
 logits are checked against ``oscarkv.hf.simulate`` (``--max-kl``); if that fails, no OSCAR speed is reported and
 the script exits 1.
@@ -41,6 +42,8 @@ MODES = {
                                              "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc",
                                              "turboquant_k8v4")},
     "oscar": {"oscar": True}, "oscar-eager": {"oscar": True, "enforce_eager": True},
+    # vLLM's piecewise graphs only: attention outside vLLM's graphs (the backend's own per-layer decode graphs)
+    "oscar-piecewise": {"oscar": True, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
 }
 
 

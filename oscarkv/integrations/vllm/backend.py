@@ -108,7 +108,23 @@ class OscarMetadata(AttentionMetadata):
 
 
 class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
+    """Per step: the tiers of every token (:func:`.core.build_step`). Decode-only steps on CUDA go into persistent
+    buffers (:class:`.graphs.StaticDecode`), so vLLM's full CUDA graphs of decode batches capture the attention
+    of every layer with the rest of the model, and a replay needs only this host-side build; steps with prefill
+    chunks run in vLLM's piecewise graphs with attention eager."""
+
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """Full graphs of single-token decode batches where decode steps use the persistent buffers: CUDA, a
+        quantized cache with 16-bit windows, ``oscar.decode_graphs`` on."""
+        if _is_cpu():
+            return AttentionCGSupport.NEVER
+        rt = runtime(vllm_config, require=True)
+        if rt.quantized and rt.windows and rt.opts.decode_graphs:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -123,6 +139,11 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.num_q_heads = self.rt.model.num_q_heads // tp  # this rank's query heads
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
+        # vLLM's full graphs: decode batches padded to a capture size, at most this (0: none)
+        cc = vllm_config.compilation_config
+        full = self.device.type == "cuda" and cc.cudagraph_mode is not None and cc.cudagraph_mode.has_full_cudagraphs()
+        self.full_graph_rows = (cc.max_cudagraph_capture_size or 0) if full else 0
+        self.rows = max(self.max_seqs, self.full_graph_rows)  # rows of the persistent buffers and the plans
         self._plan: DecodePlan | None = None
         self._static_decode: StaticDecode | None = None
         if self.device.type == "cuda" and self.rt.quantized and self.rt.windows:  # decode rows take the decode kernel
@@ -136,7 +157,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
 
     def _new_plan(self, width: int) -> DecodePlan:
         """A decode plan for this rank's heads, every sequence slot and block tables ``width`` pages wide."""
-        return DecodePlan(max_batch=self.max_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+        return DecodePlan(max_batch=self.rows, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                           head_dim=self.rt.model.head_dim, page_size=self.block_size, max_pages=width,
                           max_len16=self.rt.rows16, device=self.device)
 
@@ -144,7 +165,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         """The persistent buffers of padded decode steps (built once, for the block table's width)."""
         if self._static_decode is None or self._static_decode.width < width:
             rows16 = self.rt.rows16
-            self._static_decode = StaticDecode(self.max_seqs, width, rows16, self.rt.num_slots * rows16,
+            self._static_decode = StaticDecode(self.rows, width, rows16, self.rt.num_slots * rows16,
                                                self._new_plan(width), self.device,
                                                self.block_size if self.pages else 0)
         return self._static_decode
@@ -152,17 +173,22 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
         cam = common_attn_metadata
-        B = cam.num_reqs
-        qsl = cam.query_start_loc_cpu[: B + 1].numpy().astype(np.int64)
+        padded = cam.num_reqs
+        qsl = cam.query_start_loc_cpu[: padded + 1].numpy().astype(np.int64)
+        # rows of no tokens at the end are vLLM's padding of a batch to a full-graph capture size
+        B = int(np.flatnonzero(np.diff(qsl))[-1]) + 1 if qsl[-1] > qsl[0] else 0
+        qsl = qsl[: B + 1]
         seq_src = cam.seq_lens_cpu_upper_bound if cam.seq_lens_cpu_upper_bound is not None else cam.seq_lens.cpu()
         seq = seq_src[:B].numpy().astype(np.int64)
         bt = cam.block_table_tensor[:B]
         keys = bt[:, 0].cpu().numpy().astype(np.int64) if self.slots is not None else None
         step = build_step(self.rt.policy, self.slots, self.rt.num_slots, qsl, seq, keys, bt,
-                          cam.slot_mapping[: cam.num_actual_tokens], self.block_size, pages=self.pages)
+                          cam.slot_mapping[: int(qsl[-1])], self.block_size, pages=self.pages)
         if self.rt.windows and self.device.type == "cuda":
             if self.rt.opts.decode_graphs and step.num_decodes == B and B:  # decode only: padded for graphs
-                step = self._static(cam.block_table_tensor.shape[1]).fill(step)
+                # to vLLM's capture size where its full graph replays this step, else to the backend's bucket
+                rows = padded if padded <= self.full_graph_rows else None
+                step = self._static(cam.block_table_tensor.shape[1]).fill(step, rows)
             else:  # one split plan per step, shared by the layers
                 self._plan = decode_plan(self._plan, step, self._new_plan)
                 step.plan = self._plan if step.num_decodes else None
@@ -250,7 +276,9 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             kv = carve(kv_cache, *self._formats(attn_metadata.block_size))
             # written straight into vLLM's output buffer (one rounding of the float32 result, as a copy would)
             out = output[:T].view(T, self.num_heads, self.head_size)
-            if m.graph_rows:
+            if m.graph_rows and torch.cuda.is_current_stream_capturing():  # inside vLLM's full-graph capture
+                quant_step(q, k, v, kv, self.pools, self.params, m, out=out)
+            elif m.graph_rows:
                 if self.graphs is None:
                     self.rt.graph_inputs = self.rt.graph_inputs or SharedInputs()
                     self.graphs = LayerGraphs(self.rt.graph_inputs)

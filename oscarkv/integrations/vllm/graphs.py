@@ -50,12 +50,13 @@ class StaticDecode:
         self.ring_rows = torch.full((max_seqs,), trash_row, dtype=torch.int64, device=device)
         self.bt2 = torch.zeros((max_seqs, width), dtype=torch.int32, device=device)
 
-    def fill(self, m: StepMeta) -> StepMeta:
-        """``m`` (decode rows only, windows on) padded to its bucket, in the persistent buffers."""
+    def fill(self, m: StepMeta, rows: int | None = None) -> StepMeta:
+        """``m`` (decode rows only, windows on) padded to ``rows`` (vLLM's full-graph capture size) or else its
+        bucket, in the persistent buffers."""
         B = m.num_tokens
-        n = bucket_for(B, self.max_seqs)
+        n = bucket_for(B, self.max_seqs) if rows is None else rows
         w = m.bt2.shape[1]
-        if B > self.max_seqs or w > self.width or m.ring_rows is None:
+        if not B <= n <= self.max_seqs or w > self.width or m.ring_rows is None:
             raise ValueError(f"step of {B} rows / {w} pages does not fit the graph buffers "
                              f"({self.max_seqs} rows / {self.width} pages) or has no windows")
         for buf, src, pad in ((self.slot_mapping, m.slot_mapping, -1), (self.qlen, m.qlen, 0),
