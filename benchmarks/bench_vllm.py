@@ -327,6 +327,44 @@ def ratios(runs: dict, base: str = "bf16") -> dict:
     return out
 
 
+def plot(report: dict, path: Path) -> Path:
+    """One PNG: per mode, KV capacity and, per (context, output length) cell, decode and whole-run output
+    throughput and prefill seconds per prompt, as bars (modes without a figure are left out of that panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {m: r for m, r in report["runs"].items() if r and r.get("cells")}
+    cells = sorted({(c["context"], c["gen"]) for r in runs.values() for c in r["cells"] if "wall_s" in c})
+    panels = [("KV capacity (tokens)", lambda r, c: r.get("kv_capacity_tokens"), [None])]
+    panels += [(f"{what}, {ctx // 1000}K x {gen}", key, [(ctx, gen)]) for ctx, gen in cells
+               for what, key in (("decode tok/s", "decode_tok_s"), ("whole-run output tok/s", "output_tok_s"),
+                                 ("prefill s / prompt", "prefill_s_per_prompt"))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, key, (cell,)) in zip(axes[0], panels):
+        names, vals = [], []
+        for m, r in runs.items():
+            if cell is None:
+                v = key(r, None)
+            else:
+                c = next((c for c in r["cells"] if (c["context"], c["gen"]) == cell), {})
+                v = c.get(key)
+            if v:
+                names.append(m)
+                vals.append(v)
+        ax.bar(range(len(vals)), vals,
+               color=["tab:blue" if n.startswith("oscar") else "tab:gray" for n in names])
+        ax.set_xticks(range(len(vals)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=8)
+    gpu = report["provenance"].get("gpu", "")
+    fig.suptitle(f"vLLM {report['provenance'].get('vllm', '')}, {report['model']['shape']}, {gpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child")
@@ -351,9 +389,13 @@ def main() -> None:
     ap.add_argument("--max-kl", type=float, default=1e-2,
                     help="largest mean KL (nats/token) of vLLM + OSCAR to the transformers reference; above it, or "
                          "without the check, no OSCAR speed is reported and the script exits 1")
+    ap.add_argument("--plot", help="draw a result JSON as a PNG next to it (no GPU needed), and exit")
     a = ap.parse_args()
     if a.child:
         return child(json.loads(a.child))
+    if a.plot:
+        print(plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(".png")))
+        return None
     modes = a.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
