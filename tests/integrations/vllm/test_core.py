@@ -172,13 +172,15 @@ def test_quant_step_writes_the_output_buffer():
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
 
 
-def test_padded_decode_steps_equal_unpadded():
-    """Decode-only steps padded to a graph bucket (persistent buffers, inert padded rows with garbage inputs): the
-    real rows' outputs, and everything later steps read, are those of the unpadded steps."""
+@pytest.mark.parametrize("pad_rows", [None, 6])
+def test_padded_decode_steps_equal_unpadded(pad_rows):
+    """Decode-only steps padded to a graph bucket, or to a fixed size as vLLM pads a batch for its full graphs
+    (persistent buffers, inert padded rows with garbage inputs): the real rows' outputs, and everything later
+    steps read, are those of the unpadded steps."""
     from oscarkv.integrations.vllm.graphs import bucket_for
 
     assert [bucket_for(b, 48) for b in (1, 3, 5, 13, 33, 47, 48)] == [1, 4, 8, 16, 40, 48, 48]
-    sim = Sim(WINDOWS, num_slots=6, static=True)
+    sim = Sim(WINDOWS, num_slots=6, static=True, pad_rows=pad_rows)
     steps = [[("a", 40)], [("b", 23)], [("c", 3)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 20
     steps += [[("a", 1), ("c", 1), ("b", 9)], [("a", 1), ("b", 1), ("c", 1)]]
     for batch in steps:

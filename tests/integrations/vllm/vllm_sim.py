@@ -36,9 +36,10 @@ class Sim:
     """Sequences through vLLM-like steps (block tables, slot mapping), checked against a dense model."""
 
     def __init__(self, tiers: TierPolicy, num_slots=4, H=2, g=2, d=64, block=16, nb=64, seed=0, plan=False,
-                 static=False, fmt: LayerFormat = TOKEN2):
+                 static=False, fmt: LayerFormat = TOKEN2, pad_rows=None):
         self.use_plan, self.plan = plan, None  # plan: one DecodePlan re-planned per step, as the metadata builder
         self.static = static  # static: decode-only steps padded into persistent buffers, as for CUDA graphs
+        self.pad_rows = pad_rows  # padded to this many rows (vLLM's full-graph capture size), else to the bucket
         gen = torch.Generator().manual_seed(seed)
         self.gen, self.tiers, self.H, self.g, self.d, self.block = gen, tiers, H, g, d, block
         self.fmt, self.rows16 = fmt, windows_of(tiers)[1]
@@ -90,7 +91,7 @@ class Sim:
             self.static = StaticDecode(self.num_slots, 16, self.rows16, self.num_slots * self.rows16,
                                        plan, torch.device("cpu"), self.block if self.fmt.k.channel else 0)
         if self.static and m.num_decodes == len(batch):  # padded rows: garbage inputs that must write nothing
-            m = self.static.fill(m)
+            m = self.static.fill(m, self.pad_rows)
             pad = m.num_tokens - T
             junk = lambda x: torch.cat([x, torch.randn(pad, *x.shape[1:]) * 9])  # noqa: E731
             got = quant_step(junk(q), junk(k), junk(v), self.pages, self.pools, self.p, m)[:T]
