@@ -17,7 +17,8 @@ from ..formats import describe_layers
 from .attention import KeyRotation
 from .config import EngineConfig
 from .core import Engine
-from .metrics import Metrics, QuantMonitor
+from ..cache.monitor import QuantMonitor
+from .metrics import Metrics
 from .model import ModelConfig, Transformer, fold_value_rotation, from_hf
 from .sampling import SamplingParams
 from .sequence import Sequence

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...kernels.plan import DecodePlan
 from .core import StepMeta, build_step, carve, decode_plan, dense_step, page_bytes, prebuild_decode_kernels, quant_step
 from .graphs import LayerGraphs, SharedInputs, StaticDecode
+from .monitor import PluginMonitor, monitor
 from .options import OscarOptions, OscarVllmError, check_served
 from .runtime import layer_params, local_kv_heads, runtime
 from .windows import WindowSlots
@@ -193,10 +194,16 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
                 self._plan = decode_plan(self._plan, step, self._new_plan)
                 step.plan = self._plan if step.num_decodes else None
         if self.slots is not None and self.slots.degraded > self._warned:
+            self._monitor().window_misses(self.slots.degraded - self._warned)
             self._warned = self.slots.degraded
             logger.warning("OSCAR: %d sequence step(s) read without 16-bit windows (raise oscar.max_seqs)",
                            self.slots.degraded)
         return OscarMetadata(step=step, block_size=self.block_size)
+
+    def _monitor(self) -> PluginMonitor:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return monitor(get_tensor_model_parallel_rank(), self.rt.model.num_layers, self.rt.opts.monitor_every)
 
 
 class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
@@ -223,6 +230,7 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             dtype = self.rt.window_dtype
             self.pools = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
         self.params = None
+        self.monitor: PluginMonitor | None = None
         self.layer_idx = -1
         self.formats: dict[int, tuple] = {}  # block size -> (K, V) PageFormat of this layer
         self.graphs: LayerGraphs | None = None
@@ -239,6 +247,12 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
             raise OscarVllmError(f"rank holds {self.num_kv_heads} KV heads, expected {len(heads)}")
         device = self.pools[0].device if self.pools is not None else layer._k_scale.device
         self.params = layer_params(self.rt, idx, heads, self.scale, device)
+        if self.rt.quantized:
+            rank = get_tensor_model_parallel_rank()
+            self.monitor = monitor(rank, self.rt.model.num_layers, self.rt.opts.monitor_every)
+            policy = self.rt.policy
+            self.monitor.set_tiers(policy.sink if policy.windows else 0, policy.window if policy.windows else 0,
+                                   self.rt.num_slots if self.rt.windows else 0)
 
     def kv_cache_spec(self, layer: Any, vllm_config: VllmConfig, original) -> FullAttentionSpec:
         """The spec vLLM sizes pages with: packed OSCAR pages, or vLLM's own 16-bit pages when quantization is
@@ -250,8 +264,11 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
                      vllm_config.scheduler_config.max_num_seqs)
         if not self.rt.quantized:
             return original(layer, vllm_config)
+        nbytes = page_bytes(*self._formats(block_size))
+        ring = sum(t.numel() * t.element_size() for t in self.pools) if self.pools is not None else 0
+        self.monitor.set_layer(self.layer_idx, nbytes / block_size, ring)
         return OscarAttentionSpec(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                  dtype=torch.uint8, oscar_page_bytes=page_bytes(*self._formats(block_size)))
+                                  dtype=torch.uint8, oscar_page_bytes=nbytes)
 
     def _formats(self, block_size: int) -> tuple:
         if block_size not in self.formats:
@@ -286,6 +303,8 @@ class OscarAttentionImpl(AttentionImpl[OscarMetadata]):
                     qq, kk, vv, kv, self.pools, self.params, mm, out=oo))
             else:
                 quant_step(q, k, v, kv, self.pools, self.params, m, out=out)
+                if self.monitor.due(self.layer_idx):
+                    self.monitor.observe(self.layer_idx, self.params, kv, k, v, m.slot_mapping)
         else:
             kv16 = kv_cache.view(kv_cache.shape[0], 2, self.num_kv_heads, attn_metadata.block_size, self.head_size)
             out = dense_step(q, k, v, kv16, self.params, m)

@@ -18,6 +18,9 @@ Keys (unknown keys are an error):
 * ``decode_graphs`` (bool, default true): on CUDA, replay each layer's decode-only attention step from a CUDA
   graph captured per padded batch size (:mod:`.graphs`), so an eager vLLM step does not pay ~25 kernel launches
   of host work per layer; false runs them eagerly.
+* ``monitor_every`` (int >= 0, default 64): sample a layer's page writes on its first eager attention call and
+  every n-th after it for the quantization monitors in vLLM's Prometheus metrics (:mod:`.monitor`); 0 turns
+  sampling off (the other figures stay).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ PINNED_VLLM = "0.26.0"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-_KEYS = ("calibration", "method", "max_seqs", "decode_graphs")
+_KEYS = ("calibration", "method", "max_seqs", "decode_graphs", "monitor_every")
 
 
 class OscarVllmError(ValueError):
@@ -46,6 +49,7 @@ class OscarOptions:
     method: str = "oscar"
     max_seqs: int | None = None
     decode_graphs: bool = True
+    monitor_every: int = 64
 
     @classmethod
     def from_additional_config(cls, additional: Mapping[str, Any] | None) -> OscarOptions | None:
@@ -74,6 +78,9 @@ class OscarOptions:
         v = self.max_seqs
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise OscarVllmError(f"oscar.max_seqs must be an int >= 1, got {v!r}")
+        e = self.monitor_every
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise OscarVllmError(f"oscar.monitor_every must be an int >= 0 (0: no sampling), got {e!r}")
         if not isinstance(self.decode_graphs, bool):
             raise OscarVllmError(f"oscar.decode_graphs must be true or false, got {self.decode_graphs!r}")
         if self.calibration is not None and not isinstance(self.calibration, str):

@@ -40,6 +40,8 @@ def test_no_section_means_not_requested():
     ({"calibration": "/does/not/exist"}, "not a folder"),
     ({"method": "bf16", "max_seqs": 0}, "max_seqs"),
     ({"method": "bf16", "decode_graphs": "yes"}, "decode_graphs must be true or false"),
+    ({"method": "bf16", "monitor_every": -1}, "monitor_every must be an int >= 0"),
+    ({"method": "bf16", "monitor_every": True}, "monitor_every must be an int >= 0"),
     ("oscar", "JSON object"),
 ])
 def test_bad_sections_are_refused_with_what_to_do(section, match):
