@@ -99,7 +99,8 @@ def child(spec: dict) -> None:
     kw.update(mode)
     t0 = time.time()
     llm = LLM(**kw)
-    out = {"engine_start_s": time.time() - t0, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"}}
+    out = {"engine_start_s": time.time() - t0, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"},
+           "model_runner": "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"}
     gen = torch.Generator().manual_seed(1)
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     if spec.get("logits_prompts"):
@@ -253,8 +254,14 @@ def timed_generate(engine, prompts: list, sp) -> dict:
     return res
 
 
-def run_child(spec: dict, timeout: float) -> tuple[dict | None, str]:
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+RUNNERS = {"default": None, "v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER; default: vLLM's choice
+
+
+def run_child(spec: dict, timeout: float, runner: str = "default") -> tuple[dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if RUNNERS[runner] is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = RUNNERS[runner]
     try:
         p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                            timeout=max(timeout, 1), env=env)
@@ -389,6 +396,8 @@ def main() -> None:
     ap.add_argument("--max-kl", type=float, default=1e-2,
                     help="largest mean KL (nats/token) of vLLM + OSCAR to the transformers reference; above it, or "
                          "without the check, no OSCAR speed is reported and the script exits 1")
+    ap.add_argument("--model-runner", choices=sorted(RUNNERS), default="default",
+                    help="vLLM's model runner for every engine (default: vLLM's own choice, V2 for dense models)")
     ap.add_argument("--plot", help="draw a result JSON as a PNG next to it (no GPU needed), and exit")
     a = ap.parse_args()
     if a.child:
@@ -410,7 +419,8 @@ def main() -> None:
     model_dir, calib_dir = make_model(root, shape, max_len)
     report = {"provenance": provenance(a.git_sha), "model": {"shape": f"{shape_name}, random weights", **shape},
               "settings": {"gpu_memory_utilization": a.util, "contexts": contexts, "gens": gens,
-                           "max_num_batched_tokens": a.max_batched_tokens or max_len, "prefix_caching": False},
+                           "max_num_batched_tokens": a.max_batched_tokens or max_len, "prefix_caching": False,
+                           "model_runner": a.model_runner},
               "runs": {}, "logs": {}}
     common = {"model": str(model_dir), "util": a.util, "max_model_len": max_len, "contexts": contexts, "gens": gens,
               "max_batched_tokens": a.max_batched_tokens or max_len, "budget_s": a.mode_budget,
@@ -422,7 +432,7 @@ def main() -> None:
         spec = {**common, "mode": name, "max_num_seqs": 48 if MODES[name].get("oscar") else 64}
         if MODES[name].get("oscar"):  # every OSCAR engine's logits are checked
             spec.update(logits_prompts=[1200, 700], logits_out=str(root / f"{name}_logits.pt"))
-        res, log = run_child(spec, min(left() - 30, 2 * a.mode_budget))
+        res, log = run_child(spec, min(left() - 30, 2 * a.mode_budget), a.model_runner)
         report["runs"][name] = res or {"failed": log[-3000:]}
         report["logs"][name] = log[-6000:]
         print(name, json.dumps({k: v for k, v in (res or {}).items() if k != "cells"}), flush=True)
