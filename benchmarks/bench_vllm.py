@@ -82,6 +82,44 @@ def random_calibration(cfg, seed: int = 0):
     return calib
 
 
+class KernelBuilds:
+    """Counts the kernels built in this process: Triton JIT compilations (every kernel module, vLLM's too) and the
+    plugin's CUDA decode cubins loaded. ``take()`` returns what was built since the last call, by kernel name."""
+
+    def __init__(self):
+        import triton
+
+        self.seen: list[str] = []
+        runtime = triton.knobs.runtime
+        previous = runtime.jit_post_compile_hook
+
+        def hook(*args, **kw):
+            fn = kw.get("fn")
+            base = getattr(fn, "fn", fn)
+            self.seen.append(f"{getattr(base, '__module__', '?')}.{getattr(base, '__name__', '?')}")
+            return previous(*args, **kw) if previous is not None else None
+
+        runtime.jit_post_compile_hook = hook
+        self._cubins = self._cubin_misses()
+
+    @staticmethod
+    def _cubin_misses() -> int:
+        try:
+            from oscarkv.kernels import decode_cuda
+        except ImportError:
+            return 0
+        return decode_cuda._functions.cache_info().misses
+
+    def take(self) -> dict:
+        names, self.seen = self.seen, []
+        cubins = self._cubin_misses()
+        delta, self._cubins = cubins - self._cubins, cubins
+        counts: dict[str, int] = {}
+        for n in names:
+            counts[n] = counts.get(n, 0) + 1
+        return {"triton": len(names), "decode_cubins": delta, "by_kernel": counts}
+
+
 def child(spec: dict) -> None:
     """One engine: optional logits task (full log-probs saved), then every (context, output length) cell with as
     many sequences as fit at once. Prints RESULT json."""
@@ -97,10 +135,12 @@ def child(spec: dict) -> None:
         kw.update(attention_config={"backend": "CUSTOM"}, block_size=64,
                   additional_config={"oscar": {"calibration": spec["calibration"]}})
     kw.update(mode)
+    builds = KernelBuilds()
     t0 = time.time()
     llm = LLM(**kw)
     out = {"engine_start_s": time.time() - t0, "engine_kwargs": {k: v for k, v in kw.items() if k != "model"},
-           "model_runner": "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"}
+           "model_runner": "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1",
+           "kernel_builds": {"engine_start": builds.take()}}
     gen = torch.Generator().manual_seed(1)
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     if spec.get("logits_prompts"):
@@ -132,12 +172,14 @@ def child(spec: dict) -> None:
             if not warmed:  # steps that mix one prompt with decode rows, then decode-only batches: first-use work
                 llm.generate(prompts[:10], SamplingParams(max_tokens=12, detokenize=False, ignore_eos=True),
                              use_tqdm=False)  # (graph captures of new shapes, kernel builds) stays out of the timing
+                out["kernel_builds"]["first_requests"] = builds.take()  # should be none: all built at start
                 warmed = True
             sp = SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, ignore_eos=True)
             out["cells"].append({"num_seqs": n, "context": ctx, "gen": new,
                                  **timed_generate(llm.llm_engine, prompts, sp)})
             print("CELL " + json.dumps({k: v for k, v in out["cells"][-1].items()
                                         if not k.startswith("prefill_phase_step")}), flush=True)
+    out["kernel_builds"]["timed_cells"] = builds.take()
     if spec.get("profile_prefill"):
         out["prefill_profile"] = profile_prefill(llm, spec["contexts"][0], gen)
     print("RESULT " + json.dumps(out), flush=True)
