@@ -296,14 +296,24 @@ def timed_generate(engine, prompts: list, sp) -> dict:
     return res
 
 
-RUNNERS = {"default": None, "v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER; default: vLLM's choice
+# VLLM_USE_V2_MODEL_RUNNER per choice; "default": what a user of each engine runs, i.e. vLLM's own choice (V2 for
+# dense models) for vLLM's backends, and V1 for OSCAR (the plugin refuses V2)
+RUNNERS = {"default": None, "v1": "0", "v2": "1"}
+
+
+def child_env(mode: str, runner: str, base: dict) -> dict:
+    """The environment of one engine's process: ``base`` with the model-runner choice of ``mode`` under
+    ``runner`` (a key of :data:`RUNNERS`), the engine core in-process."""
+    env = {k: v for k, v in base.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    value = RUNNERS[runner] if runner != "default" or not MODES[mode].get("oscar") else "0"
+    if value is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = value
+    return env
 
 
 def run_child(spec: dict, timeout: float, runner: str = "default") -> tuple[dict | None, str]:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if RUNNERS[runner] is not None:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = RUNNERS[runner]
+    env = child_env(spec["mode"], runner, dict(os.environ))
     try:
         p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                            timeout=max(timeout, 1), env=env)
@@ -439,7 +449,8 @@ def main() -> None:
                     help="largest mean KL (nats/token) of vLLM + OSCAR to the transformers reference; above it, or "
                          "without the check, no OSCAR speed is reported and the script exits 1")
     ap.add_argument("--model-runner", choices=sorted(RUNNERS), default="default",
-                    help="vLLM's model runner for every engine (default: vLLM's own choice, V2 for dense models)")
+                    help="vLLM's model runner for every engine (default: vLLM's own choice, V2 for dense models, "
+                         "for vLLM's backends; V1 for OSCAR, which refuses V2)")
     ap.add_argument("--plot", help="draw a result JSON as a PNG next to it (no GPU needed), and exit")
     a = ap.parse_args()
     if a.child:

@@ -111,6 +111,10 @@ def _resolve(vllm_config: Any, opts: OscarOptions) -> Runtime:
             )
         if vllm_config.speculative_config is not None:
             raise OscarVllmError("speculative decoding is not supported with the OSCAR windows")
+    if recipe.quantized and getattr(vllm_config, "use_v2_model_runner", False):
+        # vLLM 0.26 picks V2 by default for dense models; the backend has run on no GPU engine under it yet
+        raise OscarVllmError("the OSCAR backend is validated with vLLM's V1 model runner only (V2 is vLLM's default "
+                             "for dense models): start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     num_slots = opts.max_seqs or vllm_config.scheduler_config.max_num_seqs
     dt = vllm_config.model_config.dtype
     window_dtype = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
