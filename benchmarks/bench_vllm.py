@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 QWEN3 = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -104,20 +105,15 @@ class KernelBuilds:
 
     @staticmethod
     def _cubin_misses() -> int:
-        try:
-            from oscarkv.kernels import decode_cuda
-        except ImportError:
-            return 0
+        from oscarkv.kernels import decode_cuda
+
         return decode_cuda._functions.cache_info().misses
 
     def take(self) -> dict:
         names, self.seen = self.seen, []
         cubins = self._cubin_misses()
         delta, self._cubins = cubins - self._cubins, cubins
-        counts: dict[str, int] = {}
-        for n in names:
-            counts[n] = counts.get(n, 0) + 1
-        return {"triton": len(names), "decode_cubins": delta, "by_kernel": counts}
+        return {"triton": len(names), "decode_cubins": delta, "by_kernel": dict(Counter(names))}
 
 
 def child(spec: dict) -> None:
@@ -306,7 +302,7 @@ def child_env(mode: str, runner: str, base: dict) -> dict:
     ``runner`` (a key of :data:`RUNNERS`), the engine core in-process."""
     env = {k: v for k, v in base.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    value = RUNNERS[runner] if runner != "default" or not MODES[mode].get("oscar") else "0"
+    value = RUNNERS["v1"] if runner == "default" and MODES[mode].get("oscar") else RUNNERS[runner]
     if value is not None:
         env["VLLM_USE_V2_MODEL_RUNNER"] = value
     return env
